@@ -1,0 +1,239 @@
+"""The TOML schema of a run: one dataclass per section, loaded and validated by `load_config`.
+
+The sections hold what a user writes; `titan_config.py` maps them onto TorchTitan's own config
+dataclasses (ParallelismConfig, TrainingConfig, CompileConfig, AC, optimizer, LR scheduler), so
+nothing TorchTitan already describes is re-implemented here.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from titan_learner.schema import ConfigError, build_dataclass, did_you_mean
+
+POSITIVE = {"min": 1}
+NON_NEGATIVE = {"min": 0}
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclass
+class ModelOverrides:
+    """Shape overrides applied on top of the flavor (tiny test models, vocabulary changes)."""
+
+    vocab_size: int | None = field(default=None, metadata=POSITIVE)
+    dim: int | None = field(default=None, metadata=POSITIVE)
+    n_layers: int | None = field(default=None, metadata=POSITIVE)
+    n_heads: int | None = field(default=None, metadata=POSITIVE)
+    n_kv_heads: int | None = field(default=None, metadata=POSITIVE)
+    head_dim: int | None = field(default=None, metadata=POSITIVE)
+    hidden_dim: int | None = field(default=None, metadata=POSITIVE)
+    max_seq_len: int | None = field(default=None, metadata=POSITIVE)
+    rope_theta: float | None = field(default=None, metadata={"min": 1.0})
+
+
+@dataclass
+class ModelSection:
+    name: Literal["llama3", "qwen3"] = "llama3"
+    flavor: str = "debugmodel"
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """auto: flex attention on CUDA, SDPA (causal) on CPU where flex has no backward."""
+    hf_checkpoint: str | None = None
+    """A Hugging Face safetensors directory to load weights from, converted by TorchTitan's adapter."""
+    overrides: ModelOverrides = field(default_factory=ModelOverrides)
+
+
+@dataclass
+class ParallelismSection:
+    dp_replicate: int = field(default=1, metadata=POSITIVE)
+    dp_shard: int = field(default=-1, metadata={"min": -1, "not": (0,)})
+    """-1 fills the world: world_size / (dp_replicate * tp)."""
+    tp: int = field(default=1, metadata=POSITIVE)
+    sequence_parallel: bool = True
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    param_dtype: Dtype = "float32"
+    reduce_dtype: Literal["float32"] = "float32"
+
+
+@dataclass
+class ActivationCheckpointSection:
+    mode: Literal["none", "full", "selective"] = "none"
+
+
+@dataclass
+class CompileSection:
+    enable: bool = False
+    backend: str = "inductor"
+
+
+@dataclass
+class OptimizerSection:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    lr: float = field(default=1e-5, metadata={"min": 0.0})
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = field(default=1e-8, metadata={"min": 0.0})
+    weight_decay: float = field(default=0.0, metadata={"min": 0.0})
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """auto: fused on CUDA, foreach on CPU."""
+
+
+@dataclass
+class LRSchedulerSection:
+    warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    decay: Literal["none", "linear", "sqrt", "cosine"] = "none"
+    min_lr_factor: float = field(default=0.0, metadata={"min": 0.0, "max": 1.0})
+
+
+@dataclass
+class LearnerSection:
+    grad_accum_steps: int = field(default=1, metadata=POSITIVE)
+    clip_norm: float | None = field(default=1.0, metadata={"min": 0.0})
+    mixed_precision: bool = False
+    """Autocast the forward pass to autocast_dtype (on top of FSDP's param_dtype)."""
+    autocast_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+LOSS_NAMES = ("grpo", "dapo", "cispo")
+
+
+@dataclass
+class LossSection:
+    name: Literal["grpo", "dapo", "cispo"] = "grpo"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML."""
+
+
+@dataclass
+class RunSection:
+    seed: int = field(default=0, metadata=NON_NEGATIVE)
+    steps: int = field(default=10, metadata=POSITIVE)
+    output_dir: str = "outputs/run"
+    batch_size: int = field(default=8, metadata=POSITIVE)
+    """Sequences per rank per update of the synthetic learner run (train.py before the GRPO job)."""
+    seq_len: int = field(default=32, metadata={"min": 2})
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    activation_checkpoint: ActivationCheckpointSection = field(
+        default_factory=ActivationCheckpointSection
+    )
+    compile: CompileSection = field(default_factory=CompileSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    loss: LossSection = field(default_factory=LossSection)
+    run: RunSection = field(default_factory=RunSection)
+    source: str = "<config>"
+
+
+SECTIONS = tuple(name for name in Config.__dataclass_fields__ if name != "source")
+
+
+def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like section.key=value", source=source)
+    dotted, raw = item.split("=", 1)
+    keys = [k.strip() for k in dotted.strip().split(".")]
+    if len(keys) < 2 or not all(keys):
+        raise ConfigError(f"override '{item}' must look like section.key=value", source=source)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word is a string: name=qwen3
+    return keys, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], source: str) -> None:
+    """Apply `section.key=value` strings (values in TOML syntax) onto the parsed tables."""
+    for item in overrides:
+        keys, value = _parse_override(item, source)
+        table = data
+        for key in keys[:-1]:
+            table = table.setdefault(key, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override '{item}': '{key}' is not a table", source=source)
+        table[keys[-1]] = value
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
+    """Validate parsed tables into a Config (no world-size check: see `check_world_size`)."""
+    for section in data:
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"unknown section [{section}]{did_you_mean(section, SECTIONS)}; "
+                f"allowed sections: {', '.join(SECTIONS)}",
+                source=source,
+            )
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"[{section}] must be a table", source=source)
+    loss_table = dict(data.get("loss", {}))
+    loss_name = loss_table.pop("name", "grpo")
+    tables = {k: v for k, v in data.items() if k != "loss"}
+    tables["loss"] = {"name": loss_name, "kwargs": loss_table}
+    config = build_dataclass(Config, tables, path=(), source=source)
+    config.source = source
+    _check_cross_fields(config)
+    return config
+
+
+def _check_cross_fields(config: Config) -> None:
+    from titan_learner.losses import check_loss_kwargs
+
+    source = config.source
+    p = config.parallelism
+    if config.compile.enable and p.tp > 1 and config.activation_checkpoint.mode != "none":
+        raise ConfigError(
+            "compile with tensor parallel and activation checkpointing together fails in "
+            "torch 2.13; allowed: any two of them",
+            source=source,
+            where="[compile] enable",
+        )
+    check_loss_kwargs(config.loss, source)
+
+
+def check_world_size(config: Config, world_size: int) -> tuple[int, int, int]:
+    """Resolve dp_shard=-1 and check dp_replicate * dp_shard * tp == world_size."""
+    p = config.parallelism
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world_size % (p.dp_replicate * p.tp) != 0:
+            raise ConfigError(
+                f"dp_shard=-1 fills the world, but world size {world_size} is not divisible by "
+                f"dp_replicate*tp = {p.dp_replicate * p.tp}",
+                source=config.source,
+                where="[parallelism] dp_shard",
+            )
+        dp_shard = world_size // (p.dp_replicate * p.tp)
+    if p.dp_replicate * dp_shard * p.tp != world_size:
+        raise ConfigError(
+            f"dp_replicate*dp_shard*tp = {p.dp_replicate}*{dp_shard}*{p.tp} = "
+            f"{p.dp_replicate * dp_shard * p.tp} but the world size is {world_size}; "
+            "allowed: a layout whose product equals the number of processes",
+            source=config.source,
+            where="[parallelism]",
+        )
+    return p.dp_replicate, dp_shard, p.tp
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read, override and validate a TOML file into a typed Config."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError("file not found", source=source) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read file: {err.strerror}", source=source) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"invalid TOML: {err}", source=source) from None
+    apply_overrides(data, overrides or [], source)
+    return config_from_dict(data, source)

@@ -1,0 +1,400 @@
+"""The Learner contract: update(batch), weights out, checkpoint state in and out.
+
+`Learner` holds the contract once; `LocalLearner` (one process, plain model: the reference every
+parity test compares against) and `TitanLearner` (TorchTitan-built and -sharded) differ only in
+how they build the model and which process groups they reduce over.
+
+Collectives: `update`, `checkpoint`, `load_checkpoint` and `get_weights` must be called by every
+rank of the world, the same number of times, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+from torchrl.trainers.trainers import OptimizationStepper
+
+from titan_learner import model as titan_model
+from titan_learner import parallel, platform
+from titan_learner.batch import check_batch
+from titan_learner.config import Config
+from titan_learner.losses import build_loss
+from titan_learner.optim import build_lr_scheduler, build_optimizer
+from titan_learner.policy import TitanPolicy
+from titan_learner.stepper import TitanOptimizationStepper
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What this learner can do, for callers that adapt (e.g. a job choosing a weight sink)."""
+
+    world_size: int
+    data_parallel_size: int
+    tensor_parallel_size: int
+    device_type: str
+    param_dtype: str
+    gradient_accumulation: bool
+    sharded: bool
+
+
+class _OptimizerCoverageCheck:
+    """Before the first optimizer step: every parameter with a gradient must be optimized.
+
+    Catches the "critic never trains" mistake: a loss-owned or extra module whose parameters
+    receive gradients but sit in no optimizer param group would silently never change.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.handle = optimizer.register_step_pre_hook(self)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.handle.remove()
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        orphans = sorted(
+            name
+            for module in self.modules
+            for name, p in module.named_parameters()
+            if p.grad is not None and id(p) not in optimized
+        )
+        if orphans:
+            raise RuntimeError(
+                f"{len(orphans)} parameter(s) received gradients but are in no optimizer param "
+                f"group, so they would never train: {', '.join(orphans[:5])}. Add them to the "
+                "optimizer or set requires_grad=False."
+            )
+
+
+class Learner:
+    """A policy model, a TorchRL loss and a TorchRL optimization stepper behind one contract.
+
+    The stepper drives each `update`: it calls back `compute_loss` and reads `loss_module`,
+    `optimizer`, `clip_grad_norm` and `clip_norm` from this object (its "trainer").
+    """
+
+    clip_grad_norm = True
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        model: nn.Module,
+        loss_module: nn.Module | None,
+        stepper: OptimizationStepper | None,
+        device: torch.device,
+        data_parallel_group: dist.ProcessGroup | None,
+        capabilities: Capabilities,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.policy = TitanPolicy(model)
+        self.loss_module = loss_module if loss_module is not None else build_loss(config.loss, self.policy)
+        self.capabilities = capabilities
+        self._dp_group = data_parallel_group
+        self.clip_norm = config.learner.clip_norm
+        self.optimizer = build_optimizer(model, config, device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
+        self.stepper = self._adopt_stepper(stepper)
+        self.optimizer = self.stepper.optimizer
+        self._coverage = _OptimizerCoverageCheck(self.optimizer, [self.model, self.loss_module])
+        self.step = 0
+        self.policy_version = 0
+        self.vocab_size = model.config.vocab_size
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _adopt_stepper(self, stepper: OptimizationStepper | None) -> OptimizationStepper:
+        learner = self.config.learner
+        if stepper is None:
+            return TitanOptimizationStepper(
+                self.optimizer,
+                model=self.model,
+                mixed_precision=learner.mixed_precision,
+                autocast_dtype=DTYPES[learner.autocast_dtype],
+                gradient_accumulation_steps=learner.grad_accum_steps,
+                clip_norm=learner.clip_norm,
+                device_type=self.device.type,
+            )
+        if not isinstance(stepper, OptimizationStepper):
+            raise TypeError(
+                f"stepper must be a torchrl OptimizationStepper, got {type(stepper).__name__}"
+            )
+        if getattr(stepper, "optimizer", None) is None:
+            # Steppers that read trainer.optimizer (DefaultOptimizationStepper, TD3) get ours.
+            stepper.optimizer = self.optimizer
+        return stepper
+
+    # -- the stepper's trainer interface --------------------------------------------------------
+
+    def compute_loss(self, batch: TensorDictBase, method: str | None = None) -> TensorDictBase:
+        """Run the loss module; make a non-finite loss on any rank non-finite on every rank.
+
+        A rank that skipped backward while others ran it would hang the gradient collectives,
+        so the stepper's drop-the-window decision must be the same everywhere.
+        """
+        module = self.loss_module if method is None else getattr(self.loss_module, method)
+        out = module(batch)
+        out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
+        loss_keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
+        if not loss_keys:
+            raise RuntimeError(
+                f"{type(self.loss_module).__name__} returned no key starting with 'loss' "
+                f"(got {sorted(map(str, out.keys()))}); the learner trains on their sum"
+            )
+        total = sum(out.get(k) for k in loss_keys)
+        if total.dim() != 0:
+            raise ValueError(
+                f"the summed loss has shape {tuple(total.shape)}, not a scalar: the loss module "
+                "must reduce over the batch (e.g. reduction='mean' / aggregation='token_mean', "
+                "not 'none')"
+            )
+        finite = torch.isfinite(total.detach()).to(torch.int32).reshape(1)
+        if dist.is_initialized() and self.capabilities.world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not bool(finite.item()):
+            for key in loss_keys:
+                out.set(key, out.get(key) * torch.nan)
+        return out
+
+    # -- the contract -------------------------------------------------------------------------
+
+    def update(self, batch: TensorDictBase) -> TensorDict:
+        """One micro-batch: forward, backward and, at the end of an accumulation window, a step.
+
+        Returns detached scalar metrics averaged over data-parallel ranks; `grad_norm` and `lr`
+        appear only on calls that closed a window. Every rank must call it.
+        """
+        needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
+        batch = check_batch(batch, self.vocab_size, needs_ref).to(self.device)
+        self.model.train()
+        steps_before = self._optimizer_steps()
+        metrics = self.stepper._step(self, batch)
+        stepped = self._optimizer_steps() > steps_before
+        if stepped:
+            self.lr_scheduler.step()
+            self.step += 1
+            self.policy_version += 1
+        metrics = self._average_over_data_parallel(metrics)
+        if "grad_norm" in metrics.keys():
+            metrics["lr"] = torch.tensor(self.lr_scheduler.schedulers[0].get_last_lr()[0])
+        metrics["skipped_nonfinite_steps"] = torch.tensor(
+            getattr(self.stepper, "skipped_nonfinite_steps", 0)
+        )
+        return metrics
+
+    def _optimizer_steps(self) -> int:
+        return getattr(self.stepper, "optimizer_step_count", self.step)
+
+    def _average_over_data_parallel(self, metrics: TensorDictBase) -> TensorDict:
+        keys = [k for k in metrics.keys() if k != "grad_norm"]
+        values = torch.stack([metrics.get(k).detach().float().cpu() for k in keys])
+        if self._dp_group is not None:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self._dp_group)
+            values = values.cpu() / dist.get_world_size(self._dp_group)
+        out = TensorDict({k: v for k, v in zip(keys, values)}, batch_size=[])
+        if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
+            out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
+        return out
+
+    @torch.no_grad()
+    def get_weights(self, cpu_offload: bool = True) -> TensorDict:
+        """Full, plain tensors keyed by parameter name (a collective on every rank).
+
+        cpu_offload=True: CPU copies on rank 0, an empty TensorDict on other ranks.
+        cpu_offload=False: full tensors on the learner's device, on every rank.
+        """
+        from torch.distributed.tensor import DTensor
+
+        keep = not cpu_offload or self._rank() == 0
+        out = {}
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if keep:
+                out[name] = full.detach().to("cpu" if cpu_offload else self.device).clone()
+        return TensorDict(out, batch_size=[])
+
+    def checkpoint(self) -> dict[str, Any]:
+        """This rank's state as cloned tensors: model and optimizer shards, scheduler, counters.
+
+        Gradients are not saved. The loss module's own parameters and buffers are included.
+        """
+        counters = self.stepper.counters() if hasattr(self.stepper, "counters") else {}
+        return {
+            "model": _clone(self.model.state_dict()),
+            "optimizer": _clone(self.optimizer.state_dict()),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "loss": _clone(_loss_own_state(self.loss_module, self.model)),
+            "stepper": counters,
+            "step": self.step,
+            "policy_version": self.policy_version,
+        }
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore a `checkpoint()`; a mid-window state restarts its window (with a warning)."""
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        _load_loss_own_state(self.loss_module, self.model, state["loss"])
+        counters = dict(state["stepper"])
+        if counters.get("micro_step", 0):
+            warnings.warn(
+                f"checkpoint was taken {counters['micro_step']} micro-batch(es) into a gradient "
+                "accumulation window; gradients are not saved, so the window restarts",
+                stacklevel=2,
+            )
+            counters["micro_step"] = 0
+        if hasattr(self.stepper, "load_counters") and counters:
+            self.stepper.load_counters(counters)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = int(state["step"])
+        self.policy_version = int(state["policy_version"])
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which slice of the global batch this rank trains on (equal within a TP group)."""
+        return dist.get_rank(self._dp_group) if self._dp_group is not None else 0
+
+    def local_batch(self, global_batch: TensorDictBase) -> TensorDictBase:
+        """This rank's contiguous 1/data_parallel_size slice of a batch every rank holds."""
+        size = self.capabilities.data_parallel_size
+        if global_batch.batch_size[0] % size:
+            raise ValueError(
+                f"global batch of {global_batch.batch_size[0]} sequences does not split evenly "
+                f"over {size} data-parallel ranks"
+            )
+        per_rank = global_batch.batch_size[0] // size
+        start = self.data_parallel_rank * per_rank
+        return global_batch[start : start + per_rank]
+
+
+def _clone(state: dict[str, Any]) -> dict[str, Any]:
+    """Deep copy of tensors: DCP and cpu_offload may alias live shards, so never hand those out."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        elif isinstance(value, dict):
+            out[key] = _clone(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _loss_own_state(loss_module: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers that belong to the loss itself, not to the policy model."""
+    model_ids = {id(t) for t in (*model.parameters(), *model.buffers())}
+    return {
+        name: t
+        for name, t in (*loss_module.named_parameters(), *loss_module.named_buffers())
+        if id(t) not in model_ids
+    }
+
+
+@torch.no_grad()
+def _load_loss_own_state(loss_module: nn.Module, model: nn.Module, saved: dict) -> None:
+    own = _loss_own_state(loss_module, model)
+    if set(saved) != set(own):
+        raise KeyError(
+            f"checkpoint loss state {sorted(saved)} does not match this loss's own "
+            f"parameters and buffers {sorted(own)}"
+        )
+    for name, tensor in own.items():
+        tensor.copy_(saved[name])
+
+
+class LocalLearner(Learner):
+    """One process, a plain unsharded model from the same config: the parity reference."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        loss_module: nn.Module | None = None,
+        stepper: OptimizationStepper | None = None,
+        device: str | None = None,
+    ) -> None:
+        device_type = platform.resolve_device_type(device or config.learner.device)
+        attention = platform.attention_backend(config.model.attention, device_type)
+        spec = titan_model.model_spec(config.model, attention)
+        full = titan_model.full_initial_state(spec, config.model, config.run.seed)
+        model = titan_model.build_meta(spec)
+        titan_model.materialize(model, torch.device(device_type))
+        titan_model.load_full_state(model, full)
+        super().__init__(
+            config=config,
+            model=model,
+            loss_module=loss_module,
+            stepper=stepper,
+            device=torch.device(device_type),
+            data_parallel_group=None,
+            capabilities=Capabilities(
+                world_size=1,
+                data_parallel_size=1,
+                tensor_parallel_size=1,
+                device_type=device_type,
+                param_dtype="float32",
+                gradient_accumulation=True,
+                sharded=False,
+            ),
+        )
+
+
+class TitanLearner(Learner):
+    """A TorchTitan-built, TorchTitan-sharded learner on the default process group."""
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        *,
+        loss_module: nn.Module | None = None,
+        stepper: OptimizationStepper | None = None,
+    ) -> TitanLearner:
+        """Join or form the process group, build the mesh, build and shard the model.
+
+        Run under torchrun for several processes; a plain `python` run forms a world of one.
+        """
+        device_type = platform.resolve_device_type(config.learner.device)
+        rank = parallel.init_process_group(device_type)
+        world_size = dist.get_world_size()
+        dims = parallel.build_parallel_dims(config, world_size)
+        attention = platform.attention_backend(config.model.attention, device_type)
+        spec = titan_model.model_spec(config.model, attention)
+        parallel.prepare_model_config(spec, config)
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        full = titan_model.full_initial_state(spec, config.model, config.run.seed)
+        model = parallel.parallelize(titan_model.build_meta(spec), spec, dims, config)
+        titan_model.materialize(model, device)
+        titan_model.load_full_state(model, full)
+        del full
+        torch.manual_seed(config.run.seed + rank)
+        return cls(
+            config=config,
+            model=model,
+            loss_module=loss_module,
+            stepper=stepper,
+            device=device,
+            data_parallel_group=parallel.data_parallel_group(dims),
+            capabilities=Capabilities(
+                world_size=world_size,
+                data_parallel_size=dims.dp_replicate * dims.dp_shard,
+                tensor_parallel_size=dims.tp,
+                device_type=device_type,
+                param_dtype=config.parallelism.param_dtype,
+                gradient_accumulation=True,
+                sharded=True,
+            ),
+        )

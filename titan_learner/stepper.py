@@ -1,0 +1,55 @@
+"""TorchRL's MixedPrecisionOptimizationStepper, taught to defer FSDP gradient reduction.
+
+Upstream accumulates gradients over `gradient_accumulation_steps` micro-batches but never tells
+FSDP, so every micro-batch pays a reduce-scatter. Here the cross-rank reduction runs only on the
+last micro-batch of a window (`set_requires_gradient_sync`), which gives the same gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensordict import TensorDictBase
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torchrl.trainers.trainers import MixedPrecisionOptimizationStepper
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
+    """Upstream stepping (autocast, accumulation, non-finite guard, clipping) + deferred sync."""
+
+    def __init__(self, optimizer, *, model: nn.Module, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.model = model
+
+    @property
+    def micro_step(self) -> int:
+        return self._micro_step
+
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        return self._skipped_nonfinite_steps
+
+    def step(self, trainer: Any, sub_batch: TensorDictBase) -> TensorDictBase:
+        closes_window = (self._micro_step + 1) % self.gradient_accumulation_steps == 0
+        set_gradient_sync(self.model, closes_window)
+        return super().step(trainer, sub_batch)
+
+    def counters(self) -> dict[str, int]:
+        """Counters without the optimizer (the Learner checkpoints the optimizer itself)."""
+        return {
+            "micro_step": self._micro_step,
+            "optimizer_step_count": self._optimizer_step_count,
+            "skipped_nonfinite_steps": self._skipped_nonfinite_steps,
+        }
+
+    def load_counters(self, counters: dict[str, int]) -> None:
+        self._micro_step = int(counters["micro_step"])
+        self._optimizer_step_count = int(counters["optimizer_step_count"])
+        self._skipped_nonfinite_steps = int(counters["skipped_nonfinite_steps"])
