@@ -35,7 +35,9 @@ def _fmt(key) -> str:
     return repr(key) if isinstance(key, tuple) else f"'{key}'"
 
 
-def check_batch(batch: TensorDictBase, vocab_size: int, needs_ref_log_probs: bool) -> TensorDictBase:
+def check_batch(
+    batch: TensorDictBase, vocab_size: int, needs_ref_log_probs: bool
+) -> TensorDictBase:
     """Validate `batch` and return it with the advantage shaped as TorchRL's loss wants it."""
     if not isinstance(batch, TensorDictBase):
         raise BatchError(f"update() takes a TensorDict, got {type(batch).__name__}")

@@ -97,7 +97,9 @@ class Learner:
         self.model = model
         self.device = device
         self.policy = TitanPolicy(model)
-        self.loss_module = loss_module if loss_module is not None else build_loss(config.loss, self.policy)
+        self.loss_module = (
+            loss_module if loss_module is not None else build_loss(config.loss, self.policy)
+        )
         self.capabilities = capabilities
         self._dp_group = data_parallel_group
         self.clip_norm = config.learner.clip_norm
@@ -144,7 +146,7 @@ class Learner:
         module = self.loss_module if method is None else getattr(self.loss_module, method)
         out = module(batch)
         out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
-        loss_keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
+        loss_keys = [k for k in out if isinstance(k, str) and k.startswith("loss")]
         if not loss_keys:
             raise RuntimeError(
                 f"{type(self.loss_module).__name__} returned no key starting with 'loss' "
@@ -184,7 +186,7 @@ class Learner:
             self.step += 1
             self.policy_version += 1
         metrics = self._average_over_data_parallel(metrics)
-        if "grad_norm" in metrics.keys():
+        if "grad_norm" in metrics:
             metrics["lr"] = torch.tensor(self.lr_scheduler.schedulers[0].get_last_lr()[0])
         metrics["skipped_nonfinite_steps"] = torch.tensor(
             getattr(self.stepper, "skipped_nonfinite_steps", 0)
@@ -195,14 +197,14 @@ class Learner:
         return getattr(self.stepper, "optimizer_step_count", self.step)
 
     def _average_over_data_parallel(self, metrics: TensorDictBase) -> TensorDict:
-        keys = [k for k in metrics.keys() if k != "grad_norm"]
+        keys = [k for k in metrics if k != "grad_norm"]
         values = torch.stack([metrics.get(k).detach().float().cpu() for k in keys])
         if self._dp_group is not None:
             values = values.to(self.device)
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self._dp_group)
             values = values.cpu() / dist.get_world_size(self._dp_group)
-        out = TensorDict({k: v for k, v in zip(keys, values)}, batch_size=[])
-        if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
+        out = TensorDict({k: v for k, v in zip(keys, values, strict=False)}, batch_size=[])
+        if "grad_norm" in metrics:  # already global: computed over DTensor grads
             out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
         return out
 
@@ -374,7 +376,11 @@ class TitanLearner(Learner):
         attention = platform.attention_backend(config.model.attention, device_type)
         spec = titan_model.model_spec(config.model, attention)
         parallel.prepare_model_config(spec, config)
-        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        device = (
+            torch.device(device_type, torch.cuda.current_device())
+            if device_type == "cuda"
+            else torch.device("cpu")
+        )
         full = titan_model.full_initial_state(spec, config.model, config.run.seed)
         model = parallel.parallelize(titan_model.build_meta(spec), spec, dims, config)
         titan_model.materialize(model, device)

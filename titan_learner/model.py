@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 
 def _registry(name: str):
     if name == "llama3":
-        from torchtitan.models.llama3 import llama3_configs as configs, model_registry
+        from torchtitan.models.llama3 import llama3_configs as configs
+        from torchtitan.models.llama3 import model_registry
     else:
-        from torchtitan.models.qwen3 import model_registry, qwen3_configs as configs
+        from torchtitan.models.qwen3 import model_registry
+        from torchtitan.models.qwen3 import qwen3_configs as configs
     return model_registry, configs
 
 
@@ -117,7 +119,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         model.init_weights(buffer_device=device)
 
 
-def full_initial_state(spec: ModelSpec, section: ModelSection, seed: int) -> dict[str, torch.Tensor]:
+def full_initial_state(
+    spec: ModelSpec, section: ModelSection, seed: int
+) -> dict[str, torch.Tensor]:
     """The layout-independent starting weights: an HF checkpoint, or a seeded full init on CPU."""
     if section.hf_checkpoint:
         return load_hf_checkpoint(spec, section.hf_checkpoint)

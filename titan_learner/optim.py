@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from torchtitan.components.optimizer import LRSchedulersContainer
-    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
     from titan_learner.config import Config
 

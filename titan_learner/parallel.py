@@ -120,7 +120,23 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, config: C
         dump_folder=config.run.output_dir,
     )
     platform.force_sum_reduction_on_gloo(model)
+    average_gradients_over_data_parallel(model)
     return model
+
+
+def average_gradients_over_data_parallel(model: nn.Module) -> None:
+    """Give FSDP back its default: gradients averaged over data-parallel ranks.
+
+    TorchTitan turns FSDP's division off (factor 1.0) because its trainer divides the loss by the
+    global token count; a TorchRL loss is a per-rank mean, so the reduction must be a mean too.
+    The default (None) rather than an explicit factor: torch 2.13 divides twice by an explicit
+    factor when the shard group has one rank (dp_replicate > 1, dp_shard = 1).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(None)
 
 
 def data_parallel_group(dims: ParallelDims) -> dist.ProcessGroup | None:

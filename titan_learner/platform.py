@@ -28,7 +28,9 @@ def resolve_device_type(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("[learner] device = 'cuda' but no CUDA device is visible; allowed: auto, cpu")
+        raise RuntimeError(
+            "[learner] device = 'cuda' but no CUDA device is visible; allowed: auto, cpu"
+        )
     return requested
 
 

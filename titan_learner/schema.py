@@ -91,7 +91,7 @@ def _convert(value: Any, tp: Any, path: tuple[str, ...], source: str) -> Any:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             fail(_type_name(tp))
-        return tuple(_convert(v, a, path, source) for v, a in zip(value, args))
+        return tuple(_convert(v, a, path, source) for v, a in zip(value, args, strict=False))
     if origin is dict:
         if not isinstance(value, dict):
             fail("a table")
@@ -125,10 +125,14 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str, source:
     low, high = meta.get("min"), meta.get("max")
     if low is not None and value < low:
         allowed = f">= {low}" + (f" and <= {high}" if high is not None else "")
-        raise ConfigError(f"{value!r} is out of range; allowed: {allowed}", source=source, where=where)
+        raise ConfigError(
+            f"{value!r} is out of range; allowed: {allowed}", source=source, where=where
+        )
     if high is not None and value > high:
         allowed = (f">= {low} and " if low is not None else "") + f"<= {high}"
-        raise ConfigError(f"{value!r} is out of range; allowed: {allowed}", source=source, where=where)
+        raise ConfigError(
+            f"{value!r} is out of range; allowed: {allowed}", source=source, where=where
+        )
     for excluded in meta.get("not", ()):
         if value == excluded:
             raise ConfigError(f"{value!r} is not allowed here", source=source, where=where)

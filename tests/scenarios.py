@@ -1,0 +1,44 @@
+"""What each rank of a test world runs: build a TitanLearner per layout, update, gather.
+
+Importable by spawned processes (they unpickle these functions by module name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from helpers import batches, tiny_config
+
+from titan_learner.learner import TitanLearner
+
+STEPS = 3
+
+
+def train_layout(sections: dict, steps: int = STEPS, accumulate: bool = False) -> dict[str, Any]:
+    """STEPS updates on the shared synthetic batches; metrics on every rank, weights on rank 0.
+
+    accumulate=True feeds each global batch as two half-batches with grad_accum_steps=2.
+    """
+    config = tiny_config(**sections)
+    learner = TitanLearner.from_config(config)
+    metrics = []
+    for batch in batches(steps):
+        local = learner.local_batch(batch)
+        if accumulate:
+            half = local.batch_size[0] // 2
+            learner.update(local[:half])
+            metrics.append(dict(learner.update(local[half:]).items()))
+        else:
+            metrics.append(dict(learner.update(local).items()))
+    weights = learner.get_weights()
+    return {
+        "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
+        "weights": {k: v.clone() for k, v in weights.items()},
+        "capabilities": learner.capabilities,
+    }
+
+
+def run_layouts(rank: int, layouts: dict[str, dict]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {name: train_layout(**spec) for name, spec in layouts.items()}
