@@ -1,0 +1,102 @@
+"""`python -m titan_learner check`: validate a config and say what it will build, without building it.
+
+The model is built on the meta device only (no memory), so checking an 8B config is instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_learner.config import Config, check_world_size
+from titan_learner.schema import ConfigError, as_plain_dict
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a config resolves to on a given world size."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    parameters: int
+    bytes_per_rank: dict[str, int]
+
+
+def validate_model(config: Config) -> int:
+    """Build the model on meta (checks shapes against tp); return its parameter count."""
+    from titan_learner import model as titan_model
+    from titan_learner import parallel
+
+    spec = titan_model.model_spec(config.model, "sdpa")
+    try:
+        parallel.prepare_model_config(spec, config)
+    except ValueError as err:
+        raise ConfigError(str(err), source=config.source, where="[parallelism] tp") from None
+    model = titan_model.build_meta(spec)
+    return sum(p.numel() for p in model.parameters())
+
+
+def plan(config: Config, world_size: int) -> Plan:
+    dp_replicate, dp_shard, tp = check_world_size(config, world_size)
+    n = validate_model(config)
+    shards = dp_shard * tp
+    master = 4 * n // shards  # fp32 sharded parameters (FSDP keeps fp32 masters)
+    moments = 2 * master  # Adam/AdamW exp_avg and exp_avg_sq
+    return Plan(
+        world_size=world_size,
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        tp=tp,
+        parameters=n,
+        bytes_per_rank={"parameters": master, "gradients": master, "optimizer": moments},
+    )
+
+
+def render(config: Config, p: Plan) -> str:
+    resolved = as_plain_dict(config)
+    resolved.pop("source")
+    loss = resolved.pop("loss")
+    resolved["loss"] = {"name": loss["name"], **loss["kwargs"]}
+    lines = [f"config: {config.source} (valid)", "", "[resolved]"]
+    lines += [_toml_table(name, table) for name, table in resolved.items()]
+    mesh = f"dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp}"
+    total = sum(p.bytes_per_rank.values())
+    lines += [
+        "",
+        f"world size: {p.world_size}   mesh: {mesh}",
+        f"parameters: {p.parameters:,} ({p.parameters / 1e9:.2f} B)",
+        "memory per rank (fp32 masters, gradients and Adam moments, sharded over dp_shard x tp; "
+        "activations excluded):",
+    ]
+    lines += [f"  {k:<10} {_size(v):>12}" for k, v in p.bytes_per_rank.items()]
+    lines.append(f"  {'total':<10} {_size(total):>12}")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024**2:.2f} MiB"
+
+
+def _toml_table(name: str, table: dict, prefix: str = "") -> str:
+    header = f"[{prefix}{name}]"
+    scalars, subtables = [], []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            subtables.append(_toml_table(key, value, prefix=f"{prefix}{name}."))
+        elif value is not None:
+            scalars.append(f"{key} = {_toml_value(value)}")
+    return "\n".join([header, *scalars, *subtables])
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
