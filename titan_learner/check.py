@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_learner.config import Config, check_world_size
-from titan_learner.schema import ConfigError, as_plain_dict
+from titan_learner.schema import as_plain_dict
 
 GIB = 1024**3
 
@@ -31,10 +31,7 @@ def validate_model(config: Config) -> int:
     from titan_learner import parallel
 
     spec = titan_model.model_spec(config.model, "sdpa")
-    try:
-        parallel.prepare_model_config(spec, config)
-    except ValueError as err:
-        raise ConfigError(str(err), source=config.source, where="[parallelism] tp") from None
+    parallel.prepare_model_config(spec, config)
     model = titan_model.build_meta(spec)
     return sum(p.numel() for p in model.parameters())
 
@@ -99,4 +96,3 @@ def _toml_value(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
-

@@ -146,7 +146,7 @@ class Learner:
         module = self.loss_module if method is None else getattr(self.loss_module, method)
         out = module(batch)
         out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
-        loss_keys = [k for k in out if isinstance(k, str) and k.startswith("loss")]
+        loss_keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
         if not loss_keys:
             raise RuntimeError(
                 f"{type(self.loss_module).__name__} returned no key starting with 'loss' "
@@ -179,15 +179,15 @@ class Learner:
         batch = check_batch(batch, self.vocab_size, needs_ref).to(self.device)
         self.model.train()
         steps_before = self._optimizer_steps()
+        lr = self.lr_scheduler.schedulers[0].get_last_lr()[0]  # the rate this step applies
         metrics = self.stepper._step(self, batch)
-        stepped = self._optimizer_steps() > steps_before
-        if stepped:
+        if self._optimizer_steps() > steps_before:
             self.lr_scheduler.step()
             self.step += 1
             self.policy_version += 1
         metrics = self._average_over_data_parallel(metrics)
-        if "grad_norm" in metrics:
-            metrics["lr"] = torch.tensor(self.lr_scheduler.schedulers[0].get_last_lr()[0])
+        if "grad_norm" in metrics.keys():
+            metrics["lr"] = torch.tensor(lr)
         metrics["skipped_nonfinite_steps"] = torch.tensor(
             getattr(self.stepper, "skipped_nonfinite_steps", 0)
         )
@@ -197,14 +197,14 @@ class Learner:
         return getattr(self.stepper, "optimizer_step_count", self.step)
 
     def _average_over_data_parallel(self, metrics: TensorDictBase) -> TensorDict:
-        keys = [k for k in metrics if k != "grad_norm"]
+        keys = [k for k in metrics.keys() if k != "grad_norm"]
         values = torch.stack([metrics.get(k).detach().float().cpu() for k in keys])
         if self._dp_group is not None:
             values = values.to(self.device)
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self._dp_group)
             values = values.cpu() / dist.get_world_size(self._dp_group)
         out = TensorDict({k: v for k, v in zip(keys, values, strict=False)}, batch_size=[])
-        if "grad_norm" in metrics:  # already global: computed over DTensor grads
+        if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
             out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
         return out
 

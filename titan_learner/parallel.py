@@ -105,7 +105,14 @@ def build_parallel_dims(config: Config, world_size: int) -> ParallelDims:
 
 def prepare_model_config(spec: ModelSpec, config: Config) -> None:
     """Fill the per-module TP plan (and check heads divisible by tp) before the meta build."""
-    spec.model.update_from_config(config=SimpleNamespace(parallelism=parallelism_config(config)))
+    from titan_learner.schema import ConfigError
+
+    try:
+        spec.model.update_from_config(
+            config=SimpleNamespace(parallelism=parallelism_config(config))
+        )
+    except ValueError as err:
+        raise ConfigError(str(err), source=config.source, where="[parallelism] tp") from None
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, config: Config) -> nn.Module:
