@@ -15,12 +15,14 @@ from titan_learner.learner import TitanLearner
 STEPS = 3
 
 
-def train_layout(sections: dict, steps: int = STEPS, accumulate: bool = False) -> dict[str, Any]:
+def train_layout(
+    sections: dict, steps: int = STEPS, accumulate: bool = False, model: str = "llama3"
+) -> dict[str, Any]:
     """STEPS updates on the shared synthetic batches; metrics on every rank, weights on rank 0.
 
     accumulate=True feeds each global batch as two half-batches with grad_accum_steps=2.
     """
-    config = tiny_config(**sections)
+    config = tiny_config(model, **sections)
     learner = TitanLearner.from_config(config)
     metrics = []
     for batch in batches(steps):

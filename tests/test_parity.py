@@ -39,14 +39,18 @@ WORLD4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference():
-    learner = LocalLearner(tiny_config())
+def local_run(model: str) -> dict:
+    learner = LocalLearner(tiny_config(model))
     metrics = [dict(learner.update(batch).items()) for batch in batches(STEPS)]
     return {
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
         "weights": dict(learner.get_weights().items()),
     }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return local_run("llama3")
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +73,11 @@ def assert_matches(result, reference, compared=COMPARED):
 
 
 def test_one_process_titan_learner_matches_local(reference):
-    [result] = run_world(1, run_layouts, {"single": {"sections": {}}})
-    assert_matches(result["single"], reference)
-    assert result["single"]["capabilities"].sharded
+    layouts = {"llama3": {"sections": {}}, "qwen3": {"sections": {}, "model": "qwen3"}}
+    [result] = run_world(1, run_layouts, layouts)
+    assert_matches(result["llama3"], reference)
+    assert_matches(result["qwen3"], local_run("qwen3"))
+    assert result["llama3"]["capabilities"].sharded
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +53,9 @@ class _OptimizerCoverageCheck:
     receive gradients but sit in no optimizer param group would silently never change.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, modules: Callable[[], list[nn.Module]]
+    ) -> None:
         self.modules = modules
         self.handle = optimizer.register_step_pre_hook(self)
 
@@ -61,7 +64,7 @@ class _OptimizerCoverageCheck:
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         orphans = sorted(
             name
-            for module in self.modules
+            for module in self.modules()
             for name, p in module.named_parameters()
             if p.grad is not None and id(p) not in optimized
         )
@@ -107,7 +110,9 @@ class Learner:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
         self.stepper = self._adopt_stepper(stepper)
         self.optimizer = self.stepper.optimizer
-        self._coverage = _OptimizerCoverageCheck(self.optimizer, [self.model, self.loss_module])
+        self._coverage = _OptimizerCoverageCheck(
+            self.optimizer, lambda: [self.model, self.loss_module]
+        )
         self.step = 0
         self.policy_version = 0
         self.vocab_size = model.config.vocab_size
@@ -178,10 +183,14 @@ class Learner:
         needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
         batch = check_batch(batch, self.vocab_size, needs_ref).to(self.device)
         self.model.train()
-        steps_before = self._optimizer_steps()
+        steps_before = getattr(self.stepper, "optimizer_step_count", None)
         lr = self.lr_scheduler.schedulers[0].get_last_lr()[0]  # the rate this step applies
         metrics = self.stepper._step(self, batch)
-        if self._optimizer_steps() > steps_before:
+        if steps_before is None:  # a stepper without a counter steps on every call it reports
+            stepped = "grad_norm" in metrics.keys()
+        else:
+            stepped = self.stepper.optimizer_step_count > steps_before
+        if stepped:
             self.lr_scheduler.step()
             self.step += 1
             self.policy_version += 1
@@ -192,9 +201,6 @@ class Learner:
             getattr(self.stepper, "skipped_nonfinite_steps", 0)
         )
         return metrics
-
-    def _optimizer_steps(self) -> int:
-        return getattr(self.stepper, "optimizer_step_count", self.step)
 
     def _average_over_data_parallel(self, metrics: TensorDictBase) -> TensorDict:
         keys = [k for k in metrics.keys() if k != "grad_norm"]
