@@ -28,9 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     from titan_learner.check import plan, render
     from titan_learner.config import load_config
 
+    if args.world_size < 1:
+        print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
     try:
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
         config = load_config(args.config, args.overrides)
         print(render(config, plan(config, args.world_size)))
     except ConfigError as err:

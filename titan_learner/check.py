@@ -30,9 +30,9 @@ def validate_model(config: Config) -> int:
     from titan_learner import model as titan_model
     from titan_learner import parallel
 
-    spec = titan_model.model_spec(config.model, "sdpa")
+    spec = titan_model.model_spec(config.model, "sdpa", config.source)
     parallel.prepare_model_config(spec, config)
-    model = titan_model.build_meta(spec)
+    model = titan_model.build_meta(spec, config.source)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -70,6 +70,11 @@ def render(config: Config, p: Plan) -> str:
     ]
     lines += [f"  {k:<10} {_size(v):>12}" for k, v in p.bytes_per_rank.items()]
     lines.append(f"  {'total':<10} {_size(total):>12}")
+    from titan_learner.model import hf_checkpoint_problem
+
+    problem = hf_checkpoint_problem(config.model.hf_checkpoint)
+    if problem:
+        lines.append(f"warning: [model] hf_checkpoint: {problem} on this machine")
     return "\n".join(lines)
 
 

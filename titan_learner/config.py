@@ -49,7 +49,9 @@ class ModelSection:
 @dataclass
 class ParallelismSection:
     dp_replicate: int = field(default=1, metadata=POSITIVE)
-    dp_shard: int = field(default=-1, metadata={"min": -1, "not": (0,)})
+    dp_shard: int = field(
+        default=-1, metadata={"min": -1, "not": (0,), "allowed": "-1 (fill the world) or >= 1"}
+    )
     """-1 fills the world: world_size / (dp_replicate * tp)."""
     tp: int = field(default=1, metadata=POSITIVE)
     sequence_parallel: bool = True
@@ -136,13 +138,17 @@ class Config:
 SECTIONS = tuple(name for name in Config.__dataclass_fields__ if name != "source")
 
 
-def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    malformed = ConfigError(
+        f"'{item}': expected SECTION.KEY=VALUE (a TOML value), e.g. parallelism.tp=2",
+        source="--set",
+    )
     if "=" not in item:
-        raise ConfigError(f"override '{item}' must look like section.key=value", source=source)
+        raise malformed
     dotted, raw = item.split("=", 1)
     keys = [k.strip() for k in dotted.strip().split(".")]
     if len(keys) < 2 or not all(keys):
-        raise ConfigError(f"override '{item}' must look like section.key=value", source=source)
+        raise malformed
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -153,12 +159,12 @@ def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict[str, Any], overrides: list[str], source: str) -> None:
     """Apply `section.key=value` strings (values in TOML syntax) onto the parsed tables."""
     for item in overrides:
-        keys, value = _parse_override(item, source)
+        keys, value = _parse_override(item)
         table = data
         for key in keys[:-1]:
             table = table.setdefault(key, {})
             if not isinstance(table, dict):
-                raise ConfigError(f"override '{item}': '{key}' is not a table", source=source)
+                raise ConfigError(f"'{item}': '{key}' is not a table", source="--set")
         table[keys[-1]] = value
 
 

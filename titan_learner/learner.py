@@ -334,11 +334,12 @@ class LocalLearner(Learner):
         stepper: OptimizationStepper | None = None,
         device: str | None = None,
     ) -> None:
+        titan_model.require_hf_checkpoint(config.model, config.source)
         device_type = platform.resolve_device_type(device or config.learner.device)
         attention = platform.attention_backend(config.model.attention, device_type)
-        spec = titan_model.model_spec(config.model, attention)
+        spec = titan_model.model_spec(config.model, attention, config.source)
         full = titan_model.full_initial_state(spec, config.model, config.run.seed)
-        model = titan_model.build_meta(spec)
+        model = titan_model.build_meta(spec, config.source)
         titan_model.materialize(model, torch.device(device_type))
         titan_model.load_full_state(model, full)
         super().__init__(
@@ -375,12 +376,13 @@ class TitanLearner(Learner):
 
         Run under torchrun for several processes; a plain `python` run forms a world of one.
         """
+        titan_model.require_hf_checkpoint(config.model, config.source)
         device_type = platform.resolve_device_type(config.learner.device)
         rank = parallel.init_process_group(device_type)
         world_size = dist.get_world_size()
         dims = parallel.build_parallel_dims(config, world_size)
         attention = platform.attention_backend(config.model.attention, device_type)
-        spec = titan_model.model_spec(config.model, attention)
+        spec = titan_model.model_spec(config.model, attention, config.source)
         parallel.prepare_model_config(spec, config)
         device = (
             torch.device(device_type, torch.cuda.current_device())
@@ -388,7 +390,9 @@ class TitanLearner(Learner):
             else torch.device("cpu")
         )
         full = titan_model.full_initial_state(spec, config.model, config.run.seed)
-        model = parallel.parallelize(titan_model.build_meta(spec), spec, dims, config)
+        model = parallel.parallelize(
+            titan_model.build_meta(spec, config.source), spec, dims, config
+        )
         titan_model.materialize(model, device)
         titan_model.load_full_state(model, full)
         del full

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from titan_learner.schema import ConfigError, did_you_mean
+
 if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
 
@@ -68,15 +70,14 @@ def _resized_layers(name: str, base, o, attn_backend: str) -> list:
     return _build_qwen3_layers(head_dim=head_dim, **common)
 
 
-def model_spec(section: ModelSection, attention: str) -> ModelSpec:
+def model_spec(section: ModelSection, attention: str, source: str = "<config>") -> ModelSpec:
     """TorchTitan's ModelSpec for [model], with overrides applied and the attention backend set."""
     registry, configs = _registry(section.name)
     if section.flavor not in configs:
-        from titan_learner.schema import ConfigError, did_you_mean
-
         raise ConfigError(
             f"unknown {section.name} flavor '{section.flavor}'{did_you_mean(section.flavor, configs)}; "
             f"allowed: {', '.join(configs)}",
+            source=source,
             where="[model] flavor",
         )
     spec = registry(section.flavor, attn_backend="flex")
@@ -107,9 +108,13 @@ def uses_flex_attention(model: nn.Module) -> bool:
     return first is not None and isinstance(first.inner_attention, FlexAttention.Config)
 
 
-def build_meta(spec: ModelSpec) -> nn.Module:
-    with torch.device("meta"):
-        return spec.model.build()
+def build_meta(spec: ModelSpec, source: str = "<config>") -> nn.Module:
+    """Build on the meta device; a shape TorchTitan rejects is a [model.overrides] error."""
+    try:
+        with torch.device("meta"):
+            return spec.model.build()
+    except ValueError as err:
+        raise ConfigError(str(err), source=source, where="[model.overrides]") from None
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -132,13 +137,29 @@ def full_initial_state(
     return {k: v for k, v in model.state_dict().items()}
 
 
+def hf_checkpoint_problem(directory: str | None) -> str | None:
+    """Why `directory` cannot be loaded as an HF checkpoint, or None when it looks loadable."""
+    if directory is None:
+        return None
+    if not Path(directory).is_dir():
+        return f"directory {directory!r} not found; allowed: a local Hugging Face model directory"
+    if not any(Path(directory).glob("*.safetensors")):
+        return f"no *.safetensors files in {directory!r}"
+    return None
+
+
+def require_hf_checkpoint(section: ModelSection, source: str) -> None:
+    """Fail before any compute when the configured checkpoint directory is unusable."""
+    problem = hf_checkpoint_problem(section.hf_checkpoint)
+    if problem:
+        raise ConfigError(problem, source=source, where="[model] hf_checkpoint")
+
+
 def load_hf_checkpoint(spec: ModelSpec, directory: str) -> dict[str, torch.Tensor]:
     """Read *.safetensors of an HF model directory into TorchTitan names via the model's adapter."""
     from safetensors.torch import load_file
 
     files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"[model] hf_checkpoint: no *.safetensors files in {directory}")
     hf_state: dict[str, torch.Tensor] = {}
     for file in files:
         hf_state.update(load_file(str(file)))

@@ -111,8 +111,18 @@ def prepare_model_config(spec: ModelSpec, config: Config) -> None:
         spec.model.update_from_config(
             config=SimpleNamespace(parallelism=parallelism_config(config))
         )
-    except ValueError as err:
-        raise ConfigError(str(err), source=config.source, where="[parallelism] tp") from None
+    except ValueError:
+        attention = spec.model.layers[0].attention
+        n_heads = attention.n_heads
+        n_kv = attention.n_kv_heads or n_heads
+        tp = config.parallelism.tp
+        allowed = [d for d in range(1, n_kv + 1) if n_heads % d == 0 and n_kv % d == 0]
+        raise ConfigError(
+            f"tp = {tp} must divide n_heads ({n_heads}) and n_kv_heads ({n_kv}); "
+            f"allowed: {', '.join(map(str, allowed))}",
+            source=config.source,
+            where="[parallelism] tp",
+        ) from None
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, config: Config) -> nn.Module:

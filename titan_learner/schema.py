@@ -29,8 +29,9 @@ class ConfigError(ValueError):
 
 def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
     """A ' (did you mean X?)' suffix when a close match exists, else ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    by_lower = {str(c).lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean '{by_lower[close[0]]}'?)" if close else ""
 
 
 def describe_location(path: tuple[str, ...]) -> str:
@@ -49,7 +50,11 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
     if origin is tuple:
-        return "an array of " + ", ".join(_type_name(a) for a in typing.get_args(tp))
+        args = typing.get_args(tp)
+        if len(set(args)) == 1:
+            plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+            return f"an array of {len(args)} {plural.get(args[0], _type_name(args[0]))}"
+        return "an array of " + ", ".join(_type_name(a) for a in args)
     if origin is dict:
         return "a table"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
@@ -135,7 +140,10 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str, source:
         )
     for excluded in meta.get("not", ()):
         if value == excluded:
-            raise ConfigError(f"{value!r} is not allowed here", source=source, where=where)
+            allowed = meta.get("allowed", f"anything but {excluded!r}")
+            raise ConfigError(
+                f"{value!r} is not allowed; allowed: {allowed}", source=source, where=where
+            )
 
 
 def build_dataclass(cls: type, data: dict[str, Any], *, path: tuple[str, ...], source: str) -> Any:
@@ -148,7 +156,7 @@ def build_dataclass(cls: type, data: dict[str, Any], *, path: tuple[str, ...], s
             raise ConfigError(
                 f"unknown key '{key}'{did_you_mean(key, fields)}; allowed keys: {known}",
                 source=source,
-                where=describe_location(path) if path else "",
+                where=f"[{'.'.join(path)}]" if path else "",
             )
     kwargs = {}
     for name, value in data.items():
