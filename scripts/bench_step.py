@@ -1,0 +1,245 @@
+"""Step time of the learner against a bare TorchTitan training step on the same sharded model.
+
+    python scripts/bench_step.py --config FILE [--set section.key=value ...] [--steps N] [--warmup N]
+    torchrun --nproc-per-node N scripts/bench_step.py --config FILE ...
+
+What is measured, per optimizer step (`[learner] grad_accum_steps` micro-batches of
+`[run] batch_size` x `[run] seq_len` synthetic GRPO sequences per rank):
+
+- learner: `TitanLearner.update(batch)` for each micro-batch, i.e. everything a GRPO job pays:
+  the batch check, the policy's left-justified forward and float32 logits, the TorchRL loss,
+  backward, clipping, the optimizer and LR-scheduler step and the metric all-reduce.
+- baseline: what TorchTitan's own trainer does for pretraining on the very same sharded model,
+  optimizer and tokens: forward, next-token cross-entropy (vocab-parallel under TP), backward,
+  gradient clipping when `[learner] clip_norm` is set, `optimizer.step()` and `zero_grad()`.
+  Micro-batches accumulate as in TorchTitan's trainer, which reduces gradients on each of them;
+  the learner defers that reduction to the last one, so with `grad_accum_steps` > 1 and
+  several data-parallel ranks the learner may beat the baseline on communication.
+
+Why the baseline is the reference: it is the step TorchTitan itself takes with the same model,
+layout, dtype, activation checkpointing and compile settings, so `learner / baseline` isolates what
+the learner adds on top of TorchTitan (policy, loss, checks, metrics). A ratio near 1 means the
+learner is as fast as the sharded model allows; a large one points at the learner, not at
+the parallelism config.
+
+Times are per-step medians of the slowest rank (CUDA synchronized around each step); tokens/s
+counts padded tokens (B x T) over all data-parallel ranks. Peak memory is
+torch.cuda.max_memory_allocated per phase (max over ranks) on CUDA, and the process's peak RSS
+so far on CPU (cumulative, so the baseline's includes the learner's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titan_learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY, synthetic_batch
+from titan_learner.config import load_config
+from titan_learner.learner import DTYPES, TitanLearner
+from titan_learner.model import uses_flex_attention
+from titan_learner.schema import ConfigError
+
+IGNORE_INDEX = -100
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--config", required=True, help="TOML file")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per phase")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(
+    step: Callable[[], None], steps: int, warmup: int, device: torch.device
+) -> list[float]:
+    """Seconds per call of `step` after `warmup` untimed calls (the first ones compile)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Elementwise max over ranks: a step is as slow as its slowest rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+
+
+def learner_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
+    """One optimizer step of the learner: update() on each micro-batch of the window."""
+
+    def step() -> None:
+        for batch in window:
+            learner.update(batch)
+
+    return step
+
+
+def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
+    """One TorchTitan-style pretraining step on the learner's own model and optimizer."""
+    model, optimizer, config = learner.model, learner.optimizer, learner.config
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    autocast = torch.autocast(
+        learner.device.type,
+        dtype=DTYPES[config.learner.autocast_dtype],
+        enabled=config.learner.mixed_precision,
+    )
+    inputs = []
+    for batch in window:  # labels once, outside the timed region, like a data loader would
+        tokens = batch.get(TOKENS_KEY)
+        labels = torch.full_like(tokens, IGNORE_INDEX)
+        labels[:, :-1] = torch.where(
+            batch.get(ATTENTION_MASK_KEY)[:, 1:], tokens[:, 1:], IGNORE_INDEX
+        )
+        inputs.append((tokens, labels))
+    flex = uses_flex_attention(model)
+    model.train()
+
+    def step() -> None:
+        for tokens, labels in inputs:
+            masks = None
+            if flex:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+                masks = model.get_attention_masks(positions.expand_as(tokens))
+            with autocast:
+                logits = model(tokens, attention_masks=masks)
+            # Vocab-sharded DTensor logits under TP: the vocab-parallel loss, as TorchTitan does.
+            parallel = loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
+            with parallel:
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+                )
+                (loss / len(inputs)).backward()
+        if config.learner.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, config.learner.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def measure(
+    step: Callable[[], None], args: argparse.Namespace, device: torch.device
+) -> tuple[float, float]:
+    """(median seconds per step, peak memory bytes), both the max over ranks."""
+    reset_peak_memory(device)
+    times = time_steps(step, args.steps, args.warmup, device)
+    *times, peak = max_over_ranks([*times, peak_memory_bytes(device)], device)
+    return statistics.median(times), peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        # TorchTitan's LR schedule is defined for [run] steps optimizer steps only: past them it
+        # asserts (decay "none") or goes negative (linear), so make it cover the benchmark.
+        steps_before = config.run.steps
+        config.run = dataclasses.replace(
+            config.run, steps=max(steps_before, args.warmup + args.steps)
+        )
+        learner = TitanLearner.from_config(config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    device, caps = learner.device, learner.capabilities
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: several OpenMP threads per process make small-model CPU step times
+        # swing by 10x or more on few cores, which would drown the learner/baseline difference.
+        torch.set_num_threads(1)
+    run, accum = config.run, config.learner.grad_accum_steps
+
+    # Ranks of one TP group must see the same batch; data-parallel ranks see different ones.
+    generator = torch.Generator().manual_seed(run.seed + learner.data_parallel_rank)
+    window = [
+        synthetic_batch(run.batch_size, run.seq_len, learner.vocab_size, generator).to(device)
+        for _ in range(accum)
+    ]
+
+    learner_time, learner_peak = measure(learner_step(learner, window), args, device)
+    skipped = int(getattr(learner.stepper, "skipped_nonfinite_steps", 0))
+    baseline_time, baseline_peak = measure(baseline_step(learner, window), args, device)
+
+    if dist.get_rank() == 0:
+        tokens = accum * run.batch_size * run.seq_len * caps.data_parallel_size
+        params = sum(p.numel() for p in learner.model.parameters())
+        memory = "max_memory_allocated" if device.type == "cuda" else "peak RSS so far"
+        print(
+            f"config: {config.source}  model: {config.model.name} {config.model.flavor} "
+            f"({_count(params)} params)  device: {device.type}  world: {caps.world_size} "
+            f"(dp={caps.data_parallel_size} x tp={caps.tensor_parallel_size})\n"
+            f"step = {accum} micro-batch(es) of {run.batch_size} x {run.seq_len} tokens per rank, "
+            f"{tokens:,} tokens in all; {args.steps} timed after {args.warmup} warmup\n"
+            f"learner   median {learner_time * 1e3:10.1f} ms/step  "
+            f"{tokens / learner_time:12,.0f} tokens/s  peak mem {_gib(learner_peak)}\n"
+            f"baseline  median {baseline_time * 1e3:10.1f} ms/step  "
+            f"{tokens / baseline_time:12,.0f} tokens/s  peak mem {_gib(baseline_peak)}\n"
+            f"ratio learner/baseline: {learner_time / baseline_time:.2f}  "
+            f"(peak mem: {memory}, max over ranks)"
+        )
+        if config.run.steps != steps_before:
+            print(
+                f"note: [run] steps raised from {steps_before} to {config.run.steps} (LR schedule)"
+            )
+        if skipped:
+            print(f"warning: the learner skipped {skipped} non-finite step(s)", file=sys.stderr)
+    dist.destroy_process_group()
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
