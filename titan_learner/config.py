@@ -97,6 +97,8 @@ class LearnerSection:
     """Autocast the forward pass to autocast_dtype (on top of FSDP's param_dtype)."""
     autocast_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """dtype of exported weights (get_weights, iter_weights, sinks): rollout engines run bf16."""
 
 
 LOSS_NAMES = ("grpo", "dapo", "cispo")
@@ -185,6 +187,8 @@ def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
     tables["loss"] = {"name": loss_name, "kwargs": loss_table}
     config = build_dataclass(Config, tables, path=(), source=source)
     config.source = source
+    if config.model.hf_checkpoint == "":  # lets `--set model.hf_checkpoint=""` mean "none"
+        config.model.hf_checkpoint = None
     _check_cross_fields(config)
     return config
 

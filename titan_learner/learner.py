@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,10 @@ from titan_learner.losses import build_loss
 from titan_learner.optim import build_lr_scheduler, build_optimizer
 from titan_learner.policy import TitanPolicy
 from titan_learner.stepper import TitanOptimizationStepper
+from titan_learner.weights import DEFAULT_BUCKET_BYTES, WeightExport, iter_hf_tensors
+
+if TYPE_CHECKING:
+    from torchtitan.protocols.model_spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +94,7 @@ class Learner:
         *,
         config: Config,
         model: nn.Module,
+        spec: ModelSpec,
         loss_module: nn.Module | None,
         stepper: OptimizationStepper | None,
         device: torch.device,
@@ -98,6 +103,7 @@ class Learner:
     ) -> None:
         self.config = config
         self.model = model
+        self.spec = spec
         self.device = device
         self.policy = TitanPolicy(model)
         self.loss_module = (
@@ -191,7 +197,9 @@ class Learner:
         else:
             stepped = self.stepper.optimizer_step_count > steps_before
         if stepped:
-            self.lr_scheduler.step()
+            # TorchTitan's schedule is defined over [run] steps; past it, the last rate holds.
+            if self.lr_scheduler.schedulers[0].last_epoch < self.config.run.steps:
+                self.lr_scheduler.step()
             self.step += 1
             self.policy_version += 1
         metrics = self._average_over_data_parallel(metrics)
@@ -214,22 +222,38 @@ class Learner:
             out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
         return out
 
+    def iter_weights(
+        self,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+        cpu_offload: bool = True,
+    ) -> WeightExport:
+        """Stream the weights as buckets of (Hugging Face name, full plain tensor).
+
+        A collective: every rank iterates to the end. Extra memory per rank is about one bucket.
+        cpu_offload=True: CPU tensors on rank 0, empty buckets elsewhere; False: tensors on the
+        learner's device on every rank. dtype defaults to [learner] export_dtype. The returned
+        export's `manifest` (names, shapes, dtypes, version, checksum) is set once iterated.
+        """
+        dtype = dtype or DTYPES[self.config.learner.export_dtype]
+        return WeightExport(
+            iter_hf_tensors(self.model, self.spec),
+            version=self.policy_version,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            device=torch.device("cpu") if cpu_offload else self.device,
+            keep=not cpu_offload or self._rank() == 0,
+        )
+
     @torch.no_grad()
-    def get_weights(self, cpu_offload: bool = True) -> TensorDict:
-        """Full, plain tensors keyed by parameter name (a collective on every rank).
+    def get_weights(self, cpu_offload: bool = True, dtype: torch.dtype | None = None) -> TensorDict:
+        """All weights as one flat TensorDict keyed by Hugging Face name (see iter_weights).
 
         cpu_offload=True: CPU copies on rank 0, an empty TensorDict on other ranks.
         cpu_offload=False: full tensors on the learner's device, on every rank.
         """
-        from torch.distributed.tensor import DTensor
-
-        keep = not cpu_offload or self._rank() == 0
-        out = {}
-        for name, value in self.model.state_dict().items():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            if keep:
-                out[name] = full.detach().to("cpu" if cpu_offload else self.device).clone()
-        return TensorDict(out, batch_size=[])
+        export = self.iter_weights(bucket_bytes=2**62, dtype=dtype, cpu_offload=cpu_offload)
+        return TensorDict(dict(pair for bucket in export for pair in bucket), batch_size=[])
 
     def checkpoint(self) -> dict[str, Any]:
         """This rank's state as cloned tensors: model and optimizer shards, scheduler, counters.
@@ -345,6 +369,7 @@ class LocalLearner(Learner):
         super().__init__(
             config=config,
             model=model,
+            spec=spec,
             loss_module=loss_module,
             stepper=stepper,
             device=torch.device(device_type),
@@ -400,6 +425,7 @@ class TitanLearner(Learner):
         return cls(
             config=config,
             model=model,
+            spec=spec,
             loss_module=loss_module,
             stepper=stepper,
             device=device,

@@ -85,6 +85,7 @@ def init_process_group(device_type: str) -> int:
 
 def build_parallel_dims(config: Config, world_size: int) -> ParallelDims:
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
 
     from titan_learner.config import check_world_size
 
@@ -99,6 +100,7 @@ def build_parallel_dims(config: Config, world_size: int) -> ParallelDims:
         world_size=world_size,
         spmd_backend=SPMD_BACKEND,
     )
+    set_spmd_backend(SPMD_BACKEND)  # process-global in TorchTitan; its losses assert on it
     dims.build_mesh()
     return dims
 
