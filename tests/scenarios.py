@@ -33,7 +33,7 @@ def train_layout(
             metrics.append(dict(learner.update(local[half:]).items()))
         else:
             metrics.append(dict(learner.update(local).items()))
-    weights = learner.get_weights()
+    weights = learner.get_weights(dtype=torch.float32)
     return {
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
         "weights": {k: v.clone() for k, v in weights.items()},

@@ -44,7 +44,7 @@ def local_run(model: str) -> dict:
     metrics = [dict(learner.update(batch).items()) for batch in batches(STEPS)]
     return {
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
-        "weights": dict(learner.get_weights().items()),
+        "weights": dict(learner.get_weights(dtype=torch.float32).items()),
     }
 
 

@@ -1,0 +1,163 @@
+"""Weight export: full, plain, Hugging Face-named tensors, streamed in buckets.
+
+Every rank iterates the same buckets (each parameter is gathered with a collective), so the extra
+memory per rank is about one bucket plus the parameter being gathered, never a whole-model copy.
+Names go through TorchTitan's own state-dict adapter (llama3's q/k permutation for HF rotary
+layout, fused QKV split back into q/k/v); the receiver checks a manifest (names, shapes, dtypes,
+policy version and an xxh3 checksum of the bytes) before it swaps anything in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import xxhash
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torchtitan.protocols.model_spec import ModelSpec
+
+Bucket = list[tuple[str, torch.Tensor]]
+DEFAULT_BUCKET_BYTES = 256 * 1024**2
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+TIED_HF_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsManifest:
+    """What a complete export contains: receivers verify it before using the weights."""
+
+    version: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    checksum: str
+
+
+class Checksum:
+    """xxh3-64 over (name, bytes) in stream order: fast enough to run on every export."""
+
+    def __init__(self) -> None:
+        self._hash = xxhash.xxh3_64()
+
+    def update(self, name: str, tensor: torch.Tensor) -> None:
+        self._hash.update(name.encode())
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._hash.update(memoryview(data.cpu().numpy()))
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def checksum_of(named: list[tuple[str, torch.Tensor]]) -> str:
+    digest = Checksum()
+    for name, tensor in named:
+        digest.update(name, tensor)
+    return digest.hexdigest()
+
+
+def _state_dict_name(module_name: str, param_name: str) -> str:
+    name = f"{module_name}.{param_name}" if module_name else param_name
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def iter_titan_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fresh full tensors under TorchTitan state-dict names, one parameter at a time.
+
+    A collective on sharded models (each DTensor is all-gathered); every rank must iterate.
+    Fused QKV weights are split with TorchTitan's own state-dict hook.
+    """
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied weights: exported once here, aliased by the caller
+                continue
+            seen.add(id(param))
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+            name = _state_dict_name(module_name, param_name)
+            if isinstance(module, FusedQKVLinear):
+                split = {name: full}
+                FusedQKVLinear._split_qkv_on_save(module, split, name[: -len(param_name)], None)
+                yield from split.items()
+            else:
+                yield name, full
+
+
+def iter_hf_tensors(model: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """The same stream under Hugging Face names, through the model's TorchTitan adapter.
+
+    With tied embeddings both HF names are yielded (sharing one tensor), as in the HF model's
+    own state dict; sinks that store files drop the alias the way `save_pretrained` does.
+    """
+    adapter = spec.state_dict_adapter(spec.model, None)
+    tied = spec.model.enable_weight_tying
+    for name, tensor in iter_titan_tensors(model):
+        for hf_name, hf_tensor in adapter.to_hf({name: tensor}).items():
+            yield hf_name, hf_tensor
+            if tied and hf_name in TIED_HF_PAIR:
+                yield TIED_HF_PAIR[1 - TIED_HF_PAIR.index(hf_name)], hf_tensor
+
+
+class WeightExport:
+    """One export as an iterable of buckets; `manifest` is complete once iteration ends.
+
+    Every rank must iterate it to the end. Ranks with `keep=False` take part in the gathers but
+    receive empty buckets (the same number as everyone else, so loops stay in step).
+    """
+
+    def __init__(
+        self,
+        named: Iterator[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        keep: bool,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self._named = named
+        self.version = version
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.device = device
+        self.keep = keep
+        self.manifest: WeightsManifest | None = None
+
+    def __iter__(self) -> Iterator[Bucket]:
+        names, shapes, dtypes = [], [], []
+        digest = Checksum() if self.keep else None
+        bucket: Bucket = []
+        filled = 0
+        for name, full in self._named:
+            tensor = full.to(dtype=self.dtype) if full.is_floating_point() else full
+            del full
+            names.append(name)
+            shapes.append(tuple(tensor.shape))
+            dtypes.append(str(tensor.dtype).removeprefix("torch."))
+            filled += tensor.numel() * tensor.element_size()
+            if self.keep:
+                tensor = tensor.to(self.device)
+                digest.update(name, tensor)
+                bucket.append((name, tensor))
+            if filled >= self.bucket_bytes:
+                yield bucket
+                bucket, filled = [], 0
+        if filled:
+            yield bucket
+        self.manifest = WeightsManifest(
+            version=self.version,
+            names=tuple(names),
+            shapes=tuple(shapes),
+            dtypes=tuple(dtypes),
+            checksum=digest.hexdigest() if digest is not None else "",
+        )
