@@ -34,6 +34,13 @@ def train_layout(
         else:
             metrics.append(dict(learner.update(local).items()))
     weights = learner.get_weights(dtype=torch.float32)
+    # Exported tensors are copies: changing them leaves the learner alone (a collective re-export).
+    originals = {k: v.clone() for k, v in weights.items()}
+    for tensor in weights.values():
+        tensor.add_(1.0)
+    again = learner.get_weights(dtype=torch.float32)
+    assert all(torch.equal(again[k], v) for k, v in originals.items()), "export aliases weights"
+    weights = originals
     return {
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
         "weights": {k: v.clone() for k, v in weights.items()},

@@ -67,6 +67,18 @@ def _state_dict_name(module_name: str, param_name: str) -> str:
     return name
 
 
+def _fresh_full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter in new memory: never an alias of a live weight.
+
+    `full_tensor()` on a one-rank mesh hands back the local shard itself, so sharing is checked.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param
+    full = param.full_tensor() if isinstance(param, DTensor) else param
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.detach().clone()
+    return full
+
+
 def iter_titan_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Fresh full tensors under TorchTitan state-dict names, one parameter at a time.
 
@@ -77,13 +89,16 @@ def iter_titan_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     seen: set[int] = set()
     for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
+        fused = isinstance(module, FusedQKVLinear)
+        # A fused QKV module owns its wqkv child's parameters: split them here, skip the child.
+        params = module.named_parameters() if fused else module.named_parameters(recurse=False)
+        for param_name, param in params:
             if id(param) in seen:  # tied weights: exported once here, aliased by the caller
                 continue
             seen.add(id(param))
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+            full = _fresh_full_tensor(param)
             name = _state_dict_name(module_name, param_name)
-            if isinstance(module, FusedQKVLinear):
+            if fused:
                 split = {name: full}
                 FusedQKVLinear._split_qkv_on_save(module, split, name[: -len(param_name)], None)
                 yield from split.items()
