@@ -115,9 +115,9 @@ def test_non_finite_loss_drops_the_window_and_is_counted(config):
     assert "grad_norm" not in metrics.keys()
     assert int(metrics["skipped_nonfinite_steps"]) == 1
     assert_same_weights(weights(learner), before)
-    assert learner.step == 0
+    assert (learner.step, learner.policy_version) == (1, 0), "a window passed, weights did not"
     healthy = learner.update(batches(1)[0])
-    assert "grad_norm" in healthy.keys() and learner.step == 1
+    assert "grad_norm" in healthy.keys() and (learner.step, learner.policy_version) == (2, 1)
 
 
 def test_gradient_accumulation_over_halves_equals_one_full_batch(config):
@@ -256,3 +256,13 @@ def test_capabilities_are_frozen(config):
     with pytest.raises(AttributeError):
         caps.world_size = 2
     assert (caps.world_size, caps.sharded) == (1, False)
+
+
+def test_checkpoint_of_a_fresh_learner_changes_nothing(config):
+    """Reading optimizer state before the first step must not advance Adam's step count."""
+    checkpointed, untouched = LocalLearner(config), LocalLearner(config)
+    checkpointed.checkpoint()
+    for batch in batches(2):
+        checkpointed.update(batch)
+        untouched.update(batch)
+    assert_same_weights(weights(checkpointed), weights(untouched))

@@ -200,8 +200,9 @@ class Learner:
             # TorchTitan's schedule is defined over [run] steps; past it, the last rate holds.
             if self.lr_scheduler.schedulers[0].last_epoch < self.config.run.steps:
                 self.lr_scheduler.step()
-            self.step += 1
             self.policy_version += 1
+        if stepped or self._window_position() == 0:  # stepped, or dropped for a non-finite loss
+            self.step += 1
         metrics = self._average_over_data_parallel(metrics)
         if "grad_norm" in metrics.keys():
             metrics["lr"] = torch.tensor(lr)
@@ -209,6 +210,11 @@ class Learner:
             getattr(self.stepper, "skipped_nonfinite_steps", 0)
         )
         return metrics
+
+    def _window_position(self) -> int:
+        """Micro-batches into the current accumulation window (0: the window just closed)."""
+        micro_step = getattr(self.stepper, "micro_step", 0)
+        return micro_step % getattr(self.stepper, "gradient_accumulation_steps", 1)
 
     def _average_over_data_parallel(self, metrics: TensorDictBase) -> TensorDict:
         keys = [k for k in metrics.keys() if k != "grad_norm"]
@@ -263,13 +269,43 @@ class Learner:
         counters = self.stepper.counters() if hasattr(self.stepper, "counters") else {}
         return {
             "model": _clone(self.model.state_dict()),
-            "optimizer": _clone(self.optimizer.state_dict()),
+            "optimizer": self._optimizer_state(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "loss": _clone(_loss_own_state(self.loss_module, self.model)),
             "stepper": counters,
             "step": self.step,
             "policy_version": self.policy_version,
         }
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """Cloned optimizer state, without side effects on a learner that never stepped.
+
+        TorchTitan materializes missing Adam state with a zero-lr step, which leaves `step` at 1
+        and would make the next update differ from that of a learner never checkpointed:
+        step 0 with zero moments is exactly a fresh Adam, so the count is put back.
+        """
+        fresh = not any(optimizer.state for optimizer in self.optimizer.optimizers)
+        state = _clone(self.optimizer.state_dict())
+        if fresh:
+            for optimizer in self.optimizer.optimizers:
+                for param_state in optimizer.state.values():
+                    param_state["step"].zero_()
+            for key, value in state.items():
+                if key.endswith(".step") and isinstance(value, torch.Tensor):
+                    value.zero_()
+        return state
+
+    def save(self, directory: str, **options: Any) -> Any:
+        """DCP checkpoint (a collective on every rank): see titan_learner.checkpoint.save."""
+        from titan_learner import checkpoint
+
+        return checkpoint.save(self, directory, **options)
+
+    def load(self, directory: str, **options: Any) -> Any:
+        """Restore a DCP checkpoint (a collective on every rank): see checkpoint.load."""
+        from titan_learner import checkpoint
+
+        return checkpoint.load(self, directory, **options)
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Restore a `checkpoint()`; a mid-window state restarts its window (with a warning)."""
@@ -278,13 +314,15 @@ class Learner:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         _load_loss_own_state(self.loss_module, self.model, state["loss"])
         counters = dict(state["stepper"])
-        if counters.get("micro_step", 0):
+        accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
+        into_window = counters.get("micro_step", 0) % accumulation
+        if into_window:
             warnings.warn(
-                f"checkpoint was taken {counters['micro_step']} micro-batch(es) into a gradient "
+                f"checkpoint was taken {into_window} micro-batch(es) into a gradient "
                 "accumulation window; gradients are not saved, so the window restarts",
                 stacklevel=2,
             )
-            counters["micro_step"] = 0
+            counters["micro_step"] -= into_window
         if hasattr(self.stepper, "load_counters") and counters:
             self.stepper.load_counters(counters)
         self.optimizer.zero_grad(set_to_none=True)
