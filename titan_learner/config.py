@@ -43,6 +43,9 @@ class ModelSection:
     """auto: flex attention on CUDA, SDPA (causal) on CPU where flex has no backward."""
     hf_checkpoint: str | None = None
     """A Hugging Face safetensors directory to load weights from, converted by TorchTitan's adapter."""
+    init: Literal["torchtitan", "transformers"] = "torchtitan"
+    """Random initial weights without hf_checkpoint: TorchTitan's init, or the matching
+    transformers model's (std 0.02 everywhere), which small models trained from scratch prefer."""
     overrides: ModelOverrides = field(default_factory=ModelOverrides)
 
 
@@ -112,6 +115,33 @@ class LossSection:
 
 
 @dataclass
+class RolloutSection:
+    generator: Literal["hf", "vllm"] = "hf"
+    """hf: an in-process transformers model per rank (the embedded default); vllm: engines."""
+    group_size: int = field(default=16, metadata={"min": 2})
+    """G completions per prompt; group-relative advantages need at least 2."""
+    prompts_per_step: int = field(default=64, metadata=POSITIVE)
+    """Prompts per optimizer step over all data-parallel ranks (divisible by their number)."""
+    max_new_tokens: int = field(default=8, metadata=POSITIVE)
+    temperature: float = field(default=1.0, metadata={"min": 0.0})
+    model_path: str | None = None
+    """vllm only: the HF directory the engines start from."""
+
+
+@dataclass
+class TaskSection:
+    name: str = "sort"
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = field(default=0, metadata=NON_NEGATIVE)
+    """Save every N steps (0: never)."""
+    keep_latest_k: int = field(default=2, metadata=POSITIVE)
+    async_save: bool = False
+
+
+@dataclass
 class RunSection:
     seed: int = field(default=0, metadata=NON_NEGATIVE)
     steps: int = field(default=10, metadata=POSITIVE)
@@ -133,6 +163,9 @@ class Config:
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
     learner: LearnerSection = field(default_factory=LearnerSection)
     loss: LossSection = field(default_factory=LossSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
     source: str = "<config>"
 

@@ -31,6 +31,14 @@ def rope_parameters(rope) -> dict:
     return params
 
 
+def _max_positions(rope) -> int:
+    """transformers wants llama3-scaled RoPE's original context below the maximum one."""
+    if rope.scaling == "llama":
+        scaled = int(rope.original_max_position_embeddings * rope.scaling_factor)
+        return max(rope.max_seq_len, scaled)
+    return rope.max_seq_len
+
+
 def hf_config(spec: ModelSpec) -> PretrainedConfig:
     """A LlamaConfig / Qwen3Config describing exactly the model `spec` builds."""
     from transformers import LlamaConfig, Qwen3Config
@@ -49,7 +57,7 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         head_dim=qkv.head_dim,
         rms_norm_eps=cfg.norm.eps,
         tie_word_embeddings=cfg.enable_weight_tying,
-        max_position_embeddings=max(rope.max_seq_len, rope.original_max_position_embeddings),
+        max_position_embeddings=_max_positions(rope),
         rope_parameters=rope_parameters(rope),
         architectures=[{"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[spec.name]],
     )

@@ -130,11 +130,35 @@ def full_initial_state(
     """The layout-independent starting weights: an HF checkpoint, or a seeded full init on CPU."""
     if section.hf_checkpoint:
         return load_hf_checkpoint(spec, section.hf_checkpoint)
+    if section.init == "transformers":
+        return transformers_initial_state(spec, seed)
     model = build_meta(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         materialize(model, torch.device("cpu"))
     return {k: v for k, v in model.state_dict().items()}
+
+
+def transformers_initial_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """The matching transformers model's own seeded init, converted by TorchTitan's adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_learner.hf_config import hf_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf_model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.float32)
+    return _with_tied_alias(
+        spec, spec.state_dict_adapter(spec.model, None).from_hf(hf_model.state_dict())
+    )
+
+
+def _with_tied_alias(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """TorchTitan's state dict names a tied embedding twice; HF adapters return it once."""
+    if spec.model.enable_weight_tying:
+        state.setdefault("lm_head.weight", state.get("tok_embeddings.weight"))
+        state.setdefault("tok_embeddings.weight", state.get("lm_head.weight"))
+    return state
 
 
 def hf_checkpoint_problem(directory: str | None) -> str | None:
@@ -164,7 +188,7 @@ def load_hf_checkpoint(spec: ModelSpec, directory: str) -> dict[str, torch.Tenso
     for file in files:
         hf_state.update(load_file(str(file)))
     adapter = spec.state_dict_adapter(spec.model, None)
-    return adapter.from_hf(hf_state)
+    return _with_tied_alias(spec, adapter.from_hf(hf_state))
 
 
 @torch.no_grad()

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from titan_learner.learner import Learner
-    from titan_learner.weights import DEFAULT_BUCKET_BYTES  # noqa: F401
 
 
 class WeightTransferError(RuntimeError):
@@ -118,6 +117,17 @@ class HFModelSink(StagingSink):
         self.model.policy_version = version
 
 
+class GeneratorSink(StagingSink):
+    """A rollout generator (titan_learner.generator): verified, then `load_weights` at once."""
+
+    def __init__(self, generator) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def apply(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        self.generator.load_weights(named, version)
+
+
 class SafetensorsDirSink:
     """A directory transformers and vLLM load: shards, index, config.json and the version.
 
@@ -204,13 +214,22 @@ def read_export_version(directory: str | os.PathLike) -> int:
     return int(json.loads((Path(directory) / "titan_learner.json").read_text())["policy_version"])
 
 
-def push_weights(learner: Learner, sink: WeightSink, bucket_bytes: int, dtype=None):
-    """Export the learner's weights into `sink` (rank 0 feeds it); a collective on every rank.
+def push_weights(
+    learner: Learner,
+    sink: WeightSink,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    cpu_offload: bool = True,
+) -> WeightsManifest:
+    """Export the learner's weights into `sink`; a collective on every rank.
+
+    cpu_offload=True: rank 0 feeds its sink (CPU tensors); False: every rank feeds its own
+    sink with tensors on the learner's device (e.g. one embedded generator per rank).
 
     If the sink fails midway, rank 0 keeps iterating so the other ranks' gathers complete (no
     hang), then aborts the sink and raises; the receiver keeps its previous weights.
     """
-    export = learner.iter_weights(bucket_bytes=bucket_bytes, dtype=dtype)
+    export = learner.iter_weights(bucket_bytes=bucket_bytes, dtype=dtype, cpu_offload=cpu_offload)
     feeding = export.keep
     failure: BaseException | None = None
     if feeding:

@@ -1,21 +1,32 @@
-"""`python -m titan_learner.train --config FILE [--set k=v ...]`, alone or under torchrun.
+"""The GRPO job: `python -m titan_learner.train --config FILE [--set k=v ...] [--resume]`.
 
-Until the GRPO job (rollouts, rewards, weight sync) lands, this runs the Learner on synthetic
-GRPO batches and prints per-step metrics: it exercises the whole build (TOML -> TorchTitan model
--> sharding -> TorchRL loss and stepper) on any layout, and is the README's first command.
+Prompts -> G sampled completions per prompt (with behaviour log-probs) -> rewards -> group
+advantages -> `learner.update` -> new weights to the generator, repeated `[run] steps` times.
+The same command runs alone or under `torchrun --nproc-per-node N` (any number of nodes).
+
+Which rank does what: every rank samples the same global prompts from the run seed and keeps its
+data-parallel slice; ranks of one tensor-parallel group hold the same slice and, seeded alike,
+sample the same completions, so they pass the same batch to `update`. Each rank owns an embedded
+generator that receives the learner's full weights after every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from titan_learner.schema import ConfigError
+from titan_learner.config import Config, check_world_size, load_config
+from titan_learner.schema import ConfigError, did_you_mean
 
-SHOWN = ("loss_objective", "loss_entropy", "grad_norm", "lr", "clip_fraction", "kl_approx")
+BUCKET_BYTES = 64 * 1024**2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -24,60 +35,219 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
     )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
     return parser.parse_args(argv)
 
 
-def format_metrics(step: int, steps: int, metrics: dict[str, float], tokens_per_s: float) -> str:
-    shown = "  ".join(f"{k}={metrics[k]:.5g}" for k in SHOWN if k in metrics)
-    return f"step {step:>4}/{steps}  {shown}  tokens/s={tokens_per_s:,.0f}"
+def check_job(config: Config, world_size: int):
+    """Everything about the job that can be wrong, before any process group or model exists."""
+    from titan_learner.tasks.registry import TASKS
+
+    where = config.source
+    if config.task.name not in TASKS:
+        raise ConfigError(
+            f"unknown task '{config.task.name}'{did_you_mean(config.task.name, TASKS)}; "
+            f"allowed: {', '.join(TASKS)}",
+            source=where,
+            where="[task] name",
+        )
+    task = TASKS[config.task.name]
+    vocab = config.model.overrides.vocab_size
+    if vocab != task.vocab_size:
+        raise ConfigError(
+            f"vocab_size = {vocab} but task '{task.name}' has a {task.vocab_size}-token vocabulary; "
+            f"allowed: {task.vocab_size} (the generator and the learner share the task's tokenizer)",
+            source=where,
+            where="[model.overrides] vocab_size",
+        )
+    dp_replicate, dp_shard, _ = check_world_size(config, world_size)
+    dp = dp_replicate * dp_shard
+    if config.rollout.prompts_per_step % dp:
+        raise ConfigError(
+            f"{config.rollout.prompts_per_step} prompts do not split over {dp} data-parallel "
+            f"ranks; allowed: a multiple of {dp}",
+            source=where,
+            where="[rollout] prompts_per_step",
+        )
+    per_rank = config.rollout.prompts_per_step // dp
+    if per_rank % config.learner.grad_accum_steps:
+        raise ConfigError(
+            f"{per_rank} prompts per rank do not split into {config.learner.grad_accum_steps} "
+            "micro-batches of whole groups; allowed: grad_accum_steps dividing prompts per rank",
+            source=where,
+            where="[learner] grad_accum_steps",
+        )
+    if config.rollout.generator == "vllm" and not config.rollout.model_path:
+        raise ConfigError(
+            "the vllm generator needs model_path (an HF directory the engines start from)",
+            source=where,
+            where="[rollout] model_path",
+        )
+    return task
 
 
-def run(config) -> list[dict[str, float]]:
-    """Build the learner and run `run.steps` updates on synthetic batches; metrics per step."""
-    import torch.distributed as dist
+@dataclass(frozen=True)
+class StepRngs:
+    """The job's random streams for one step, derived from (seed, step, data-parallel rank).
 
-    from titan_learner.batch import synthetic_batch
+    Nothing to checkpoint: a resumed run re-derives exactly the streams it would have had.
+    Prompts depend on the step only (every rank draws the same global prompts); sampling also
+    on the data-parallel rank (tensor-parallel peers share it, so they sample alike).
+    """
+
+    prompts: torch.Generator
+    sampling: torch.Generator
+
+    @classmethod
+    def for_step(cls, seed: int, step: int, data_parallel_rank: int) -> StepRngs:
+        base = seed * 1_000_003 + step
+        return cls(
+            prompts=torch.Generator().manual_seed(base),
+            sampling=torch.Generator().manual_seed(
+                base * 7919 + 104_729 * (1 + data_parallel_rank)
+            ),
+        )
+
+
+def build_generator(config: Config, learner, task):
+    from titan_learner.generator import HFGenerator, VLLMGenerator
+    from titan_learner.hf_config import hf_config
+
+    if config.rollout.generator == "vllm":
+        return VLLMGenerator(config.rollout.model_path, eos_id=task.eos_id, pad_id=task.pad_id)
+    return HFGenerator(
+        hf_config(learner.spec), eos_id=task.eos_id, pad_id=task.pad_id, device=learner.device
+    )
+
+
+def gather_over(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All data-parallel ranks' values, concatenated (every rank gets all)."""
+    if group is None:
+        return values
+    out = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, values, group=group)
+    return torch.cat(out)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
+
+
+def grpo_step(config: Config, learner, generator, task, rngs: StepRngs) -> dict[str, float]:
+    """One GRPO step on this rank: rollout, update (in micro-batches), weight push."""
+    from titan_learner.advantage import group_advantages
+    from titan_learner.sinks import GeneratorSink, push_weights
+
+    rollout_cfg = config.rollout
+    dp = learner.capabilities.data_parallel_size
+    per_rank = rollout_cfg.prompts_per_step // dp
+    prompts = task.sample_prompts(rollout_cfg.prompts_per_step, rngs.prompts)
+    mine = prompts[
+        learner.data_parallel_rank * per_rank : (learner.data_parallel_rank + 1) * per_rank
+    ]
+
+    start = time.perf_counter()
+    rollout = generator.generate(
+        mine,
+        rollout_cfg.group_size,
+        rollout_cfg.max_new_tokens,
+        rollout_cfg.temperature,
+        rngs.sampling,
+    )
+    rewards = rollout.score(task.reward)
+    batch = rollout.to_batch(group_advantages(rewards, rollout_cfg.group_size), rewards)
+    rollout_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    for micro in batch.chunk(config.learner.grad_accum_steps):
+        metrics = {k: float(v) for k, v in learner.update(micro).items()}
+    update_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False)
+    sync_s = time.perf_counter() - start
+
+    all_rewards = gather_over(rewards, learner._dp_group)
+    tokens = gather_over(
+        batch.get(("masks", "all_attention_mask")).sum().reshape(1), learner._dp_group
+    )
+    total_s = rollout_s + update_s + sync_s
+    metrics.update(
+        reward_mean=float(all_rewards.mean()),
+        reward_std=float(all_rewards.std()),
+        reward_min=float(all_rewards.min()),
+        reward_max=float(all_rewards.max()),
+        tokens_per_s=float(tokens.sum()) / total_s,
+        rollout_s=rollout_s,
+        update_s=update_s,
+        weight_sync_s=sync_s,
+        peak_memory_gib=peak_memory_gib(learner.device),
+        policy_version=float(learner.policy_version),
+    )
+    return metrics
+
+
+def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
+    """Build everything from the config and run the job; per-step metrics (same on every rank)."""
+    from titan_learner.checkpoint import latest, wait_for_pending_save
     from titan_learner.learner import TitanLearner
+    from titan_learner.sinks import GeneratorSink, push_weights
+    from titan_learner.telemetry import Telemetry
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    task = check_job(config, world_size)
     learner = TitanLearner.from_config(config)
     rank = dist.get_rank()
-    caps = learner.capabilities
-    if rank == 0:
-        print(
-            f"titan_learner: {config.model.name}/{config.model.flavor} on {caps.world_size} "
-            f"process(es), {caps.device_type}, dp={caps.data_parallel_size} "
-            f"tp={caps.tensor_parallel_size}; synthetic GRPO batches (the GRPO job is not built yet)",
-            flush=True,
-        )
-    generator = torch.Generator().manual_seed(config.run.seed)
-    global_batch = config.run.batch_size * caps.data_parallel_size
-    history = []
-    for step in range(1, config.run.steps + 1):
-        batch = synthetic_batch(global_batch, config.run.seq_len, learner.vocab_size, generator)
-        local = learner.local_batch(batch)
-        start = time.perf_counter()
-        metrics = {k: float(v) for k, v in learner.update(local).items()}
-        elapsed = time.perf_counter() - start
-        history.append(metrics)
+    output_dir = Path(config.run.output_dir)
+    checkpoints = output_dir / "checkpoints"
+    if resume and latest(checkpoints) is not None:
+        learner.load(checkpoints)
         if rank == 0:
-            tokens = global_batch * config.run.seq_len
-            print(format_metrics(step, config.run.steps, metrics, tokens / elapsed), flush=True)
+            print(f"resumed from {latest(checkpoints)} (step {learner.step})", flush=True)
+    elif resume and rank == 0:
+        print(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
+    generator = build_generator(config, learner, task)
+    push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False)
+    telemetry = (
+        Telemetry(output_dir, config.run.steps, start_step=learner.step)
+        if rank == 0
+        else Telemetry.disabled()
+    )
+    history = []
+    try:
+        for step in range(learner.step + 1, config.run.steps + 1):
+            rngs = StepRngs.for_step(config.run.seed, step, learner.data_parallel_rank)
+            metrics = grpo_step(config, learner, generator, task, rngs)
+            history.append(metrics)
+            telemetry.log(step, metrics)
+            if config.checkpoint.interval and step % config.checkpoint.interval == 0:
+                learner.save(
+                    checkpoints,
+                    keep_latest_k=config.checkpoint.keep_latest_k,
+                    asynchronous=config.checkpoint.async_save,
+                )
+        wait_for_pending_save()
+    finally:
+        plot = telemetry.close()
+    if rank == 0 and plot is not None:
+        print(f"curves: {plot}", flush=True)
     return history
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from titan_learner.config import load_config
-
     try:
         config = load_config(args.config, args.overrides)
-        run(config)
+        run(config, resume=args.resume)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
