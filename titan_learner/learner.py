@@ -100,6 +100,7 @@ class Learner:
         device: torch.device,
         data_parallel_group: dist.ProcessGroup | None,
         capabilities: Capabilities,
+        tensor_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -111,6 +112,7 @@ class Learner:
         )
         self.capabilities = capabilities
         self._dp_group = data_parallel_group
+        self.tensor_parallel_group = tensor_parallel_group
         self.clip_norm = config.learner.clip_norm
         self.optimizer = build_optimizer(model, config, device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
@@ -468,6 +470,7 @@ class TitanLearner(Learner):
             stepper=stepper,
             device=device,
             data_parallel_group=parallel.data_parallel_group(dims),
+            tensor_parallel_group=parallel.tensor_parallel_group(dims),
             capabilities=Capabilities(
                 world_size=world_size,
                 data_parallel_size=dims.dp_replicate * dims.dp_shard,

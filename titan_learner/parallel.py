@@ -158,6 +158,11 @@ def average_gradients_over_data_parallel(model: nn.Module) -> None:
             module.set_gradient_divide_factor(None)
 
 
+def tensor_parallel_group(dims: ParallelDims) -> dist.ProcessGroup | None:
+    """The group whose ranks must see the same data; None without tensor parallelism."""
+    return dims.get_mesh("tp").get_group() if dims.tp_enabled else None
+
+
 def data_parallel_group(dims: ParallelDims) -> dist.ProcessGroup | None:
     """The group whose ranks see different data (dp_replicate x dp_shard); None when it is 1."""
     if not dims.dp_enabled:

@@ -131,6 +131,19 @@ def gather_over(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     return torch.cat(out)
 
 
+def same_within_group(batch, group: dist.ProcessGroup | None):
+    """Tensor-parallel peers must train on one batch: take the group's first rank's rollout.
+
+    Peers sample alike from the same seed, but GPU kernels need not be bitwise deterministic,
+    and two different batches in one TP group would silently corrupt the update.
+    """
+    if group is None:
+        return batch
+    holder = [batch.cpu()]  # an object broadcast: peers' rollouts may even differ in width
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0].to(batch.device)
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
@@ -160,6 +173,7 @@ def grpo_step(config: Config, learner, generator, task, rngs: StepRngs) -> dict[
     )
     rewards = rollout.score(task.reward)
     batch = rollout.to_batch(group_advantages(rewards, rollout_cfg.group_size), rewards)
+    batch = same_within_group(batch, learner.tensor_parallel_group)
     rollout_s = time.perf_counter() - start
 
     start = time.perf_counter()
