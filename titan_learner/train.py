@@ -101,18 +101,18 @@ class StepRngs:
     sampling: torch.Generator
 
     @classmethod
-    def for_step(cls, seed: int, step: int, data_parallel_rank: int) -> StepRngs:
+    def for_step(
+        cls, seed: int, step: int, data_parallel_rank: int, device: torch.device
+    ) -> StepRngs:
+        """Sampling draws on the generator's device (a CUDA generator for a CUDA model)."""
         base = seed * 1_000_003 + step
-        return cls(
-            prompts=torch.Generator().manual_seed(base),
-            sampling=torch.Generator().manual_seed(
-                base * 7919 + 104_729 * (1 + data_parallel_rank)
-            ),
-        )
+        sampling = torch.Generator(device=device)
+        sampling.manual_seed(base * 7919 + 104_729 * (1 + data_parallel_rank))
+        return cls(prompts=torch.Generator().manual_seed(base), sampling=sampling)
 
 
 def build_generator(config: Config, learner, task):
-    from titan_learner.generator import HFGenerator, VLLMGenerator
+    from titan_learner.generators import HFGenerator, VLLMGenerator
     from titan_learner.hf_config import hf_config
 
     if config.rollout.generator == "vllm":
@@ -235,7 +235,9 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
     history = []
     try:
         for step in range(learner.step + 1, config.run.steps + 1):
-            rngs = StepRngs.for_step(config.run.seed, step, learner.data_parallel_rank)
+            rngs = StepRngs.for_step(
+                config.run.seed, step, learner.data_parallel_rank, learner.device
+            )
             metrics = grpo_step(config, learner, generator, task, rngs)
             history.append(metrics)
             telemetry.log(step, metrics)
