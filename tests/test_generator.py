@@ -11,7 +11,7 @@ from transformers import LlamaConfig, Qwen3Config
 
 from titan_learner.advantage import group_advantages
 from titan_learner.batch import LOG_PROBS_KEY, check_batch
-from titan_learner.generator import (
+from titan_learner.generators import (
     GROUP_ID_KEY,
     REWARD_KEY,
     Generator,

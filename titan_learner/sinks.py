@@ -118,7 +118,7 @@ class HFModelSink(StagingSink):
 
 
 class GeneratorSink(StagingSink):
-    """A rollout generator (titan_learner.generator): verified, then `load_weights` at once."""
+    """A rollout generator (titan_learner.generators): verified, then `load_weights` at once."""
 
     def __init__(self, generator) -> None:
         super().__init__()
