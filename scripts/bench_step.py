@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import resource
 import statistics
@@ -178,12 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
-        # TorchTitan's LR schedule is defined for [run] steps optimizer steps only: past them it
-        # asserts (decay "none") or goes negative (linear), so make it cover the benchmark.
-        steps_before = config.run.steps
-        config.run = dataclasses.replace(
-            config.run, steps=max(steps_before, args.warmup + args.steps)
-        )
         learner = TitanLearner.from_config(config)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -223,10 +216,6 @@ def main(argv: list[str] | None = None) -> int:
             f"ratio learner/baseline: {learner_time / baseline_time:.2f}  "
             f"(peak mem: {memory}, max over ranks)"
         )
-        if config.run.steps != steps_before:
-            print(
-                f"note: [run] steps raised from {steps_before} to {config.run.steps} (LR schedule)"
-            )
         if skipped:
             print(f"warning: the learner skipped {skipped} non-finite step(s)", file=sys.stderr)
     dist.destroy_process_group()
