@@ -102,6 +102,9 @@ class LearnerSection:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """dtype of exported weights (get_weights, iter_weights, sinks): rollout engines run bf16."""
+    logprob_chunk_size: int = field(default=0, metadata=NON_NEGATIVE)
+    """Token positions per lm_head chunk when the loss scores tokens (0: dense [B, T, V] logits).
+    > 0 never holds more than one chunk of [chunk, vocab] float32 logits, in forward or backward."""
 
 
 LOSS_NAMES = ("grpo", "dapo", "cispo")

@@ -106,10 +106,12 @@ class Learner:
         self.model = model
         self.spec = spec
         self.device = device
-        self.policy = TitanPolicy(model)
+        self.policy = TitanPolicy(model, logprob_chunk_size=config.learner.logprob_chunk_size)
         self.loss_module = (
             loss_module if loss_module is not None else build_loss(config.loss, self.policy)
         )
+        # The chunked pass computes entropy only for a loss that uses it.
+        self.policy.compute_entropy = bool(getattr(self.loss_module, "entropy_bonus", True))
         self.capabilities = capabilities
         self._dp_group = data_parallel_group
         self.tensor_parallel_group = tensor_parallel_group

@@ -1,0 +1,254 @@
+"""Token log-probs and entropies from hidden states, one lm_head chunk at a time.
+
+The dense path materializes float32 logits `[B, T, V]` (2.5 GB for 4k tokens of a 152k
+vocabulary, several times over once log-softmax, entropy and their gradients are counted). Here
+only the positions the loss scores are kept, as hidden states `[N, D]`, and the lm_head runs on
+`chunk_size` of them at a time under activation checkpointing: forward keeps two floats per
+position (the token's log-prob and the entropy), and backward recomputes one chunk's logits at a
+time. Peak memory is a few `[chunk, V]` float32 buffers, whatever B * T is, plus the lm_head
+weight gradient (each chunk's part is allocated, then added into the accumulated one).
+
+The lm_head is called as a module, per chunk, so FSDP's hooks gather its weight (and reduce its
+gradient) as for TorchTitan's own chunked loss; under tensor parallelism each chunk's
+vocab-sharded logits are gathered whole. Precision: with float32 weights the chunks' weight
+gradients are summed in float32 (also under autocast, see `_uncached_autocast`); with bf16
+parameters (FSDP param_dtype) they are summed in bf16, so fewer, larger chunks are more exact.
+
+`ChunkedTokenCategorical` is the distribution TorchRL's GRPO-family losses receive: it answers
+what they call (`log_prob`, `mask`, `entropy`, and `sample` for the Monte-Carlo entropy fallback)
+with the semantics of TorchRL's `LLMMaskedCategorical` over a position-level mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import distributions as D
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+"""Hidden states `[n, D]` to logits `[n, V]` (the model's lm_head; a vocab-sharded DTensor
+under tensor parallelism)."""
+
+IGNORE_INDEX = -100
+
+
+def _uncached_autocast(device_type: str) -> AbstractContextManager:
+    """Under autocast, cast the lm_head weight afresh for this chunk instead of reusing a cast.
+
+    Autocast caches one low-precision copy of each weight per autocast region, so every chunk
+    would feed its weight gradient into that one copy and the chunks' parts would be summed in
+    bf16. A fresh cast per chunk hands each part back to the float32 weight, summed in float32
+    like the dense path's single matmul.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
+def _full_logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
+    """One chunk of float32 logits; a vocab-sharded (tensor-parallel) chunk is gathered whole.
+
+    Gathering per chunk moves the same bytes as the dense path's `full_tensor()` but holds one
+    chunk, and keeps the log-softmax exact without a vocab-parallel reduction.
+    """
+    with _uncached_autocast(hidden.device.type):
+        logits = head(hidden)
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return logits.float()
+
+
+def _chunk_stats(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Head, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `targets` `[n, S]` and, optionally, the entropy `[n]` of one chunk."""
+    log_probs = _full_logits(head, hidden).log_softmax(-1)
+    token = log_probs.gather(-1, targets)
+    if not with_entropy:
+        return token, None
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return token, entropy
+
+
+def chunked_token_stats(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Head,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32 log-probs `[N, S]` of `targets` `[N, S]` and entropies `[N]` from `hidden` `[N, D]`.
+
+    Each chunk is checkpointed (non-reentrant), so autograd saves only its inputs and the
+    outputs: backward recomputes that chunk's logits alone. With N = 0 one empty chunk still
+    runs, so the result stays connected to the graph (the loss can still call backward).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    tokens, entropies = [], []
+    for start in range(0, max(hidden.shape[0], 1), chunk_size):
+        stop = start + chunk_size
+        args = (hidden[start:stop], targets[start:stop], head, with_entropy)
+        if recompute:
+            token, entropy = checkpoint(
+                _chunk_stats, *args, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            token, entropy = _chunk_stats(*args)
+        tokens.append(token)
+        entropies.append(entropy)
+    token = torch.cat(tokens)
+    return token, torch.cat(entropies) if with_entropy else None
+
+
+@dataclass
+class TokenScorer:
+    """Scores the masked positions of a `[B, T]` batch from the hidden states that predict them.
+
+    `hidden[i]` is the decoder output one position before the i-th masked position (row-major
+    over the mask). Positions with `unscored[i]` are first in their sequence: the shifted
+    convention gives them all-zero logits, i.e. a uniform distribution, which is reproduced here
+    as constants so the results equal the dense path's.
+    """
+
+    hidden: torch.Tensor
+    unscored: torch.Tensor
+    head: Head
+    vocab_size: int
+    chunk_size: int
+
+    def stats(
+        self, targets: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs `[N, S]` of `targets` `[N, S]` and entropies `[N]` (None if not asked)."""
+        token, entropy = chunked_token_stats(
+            self.hidden, targets, self.head, self.chunk_size, with_entropy
+        )
+        uniform = math.log(self.vocab_size)
+        token = torch.where(self.unscored.unsqueeze(-1), -uniform, token)
+        if entropy is not None:
+            entropy = torch.where(self.unscored, uniform, entropy)
+        return token, entropy
+
+    @torch.no_grad()
+    def sample(self, sample_shape: torch.Size) -> torch.Tensor:
+        """Token ids `[*sample_shape, N]` drawn chunk by chunk (no logits kept, no gradient)."""
+        draws = []
+        for start in range(0, self.hidden.shape[0], self.chunk_size):
+            logits = _full_logits(self.head, self.hidden[start : start + self.chunk_size])
+            logits = torch.nan_to_num(logits, nan=0.0, posinf=1e4, neginf=-1e4)
+            draws.append(D.Categorical(logits=logits).sample(sample_shape))
+        shape = (*sample_shape, self.hidden.shape[0])
+        if not draws:
+            return torch.zeros(shape, dtype=torch.long, device=self.hidden.device)
+        drawn = torch.cat(draws, dim=-1)
+        uniform = torch.randint_like(drawn, self.vocab_size)
+        return torch.where(self.unscored, uniform, drawn)
+
+
+class ChunkedTokenCategorical(D.Distribution):
+    """`LLMMaskedCategorical` over a position-level mask, without `[B, T, V]` logits.
+
+    The log-probs of the scored `tokens` (and their entropies, when `with_entropy`) are computed
+    once at construction, chunk by chunk. What TorchRL's GRPO, DAPO and CISPO losses use:
+
+    - `log_prob(tokens)`: the precomputed log-probs, 0 where the mask is False or the value is
+      `ignore_index` (as `LLMMaskedCategorical`). Other values are scored by a new chunked pass.
+    - `mask`: the `[B, T]` position mask, read by the loss to build its token mask.
+    - `entropy()`: per-position entropy, 0 where the mask is False (as the dense distribution,
+      whose masked rows are constant); computed by a second chunked pass if not precomputed.
+    - `sample()` / `rsample()`: only reached by the losses' Monte-Carlo entropy fallback (a
+      non-finite entropy); drawn chunk by chunk, `ignore_index` where the mask is False.
+
+    `logits`, `probs` and `mode` would need the full logits and are not provided.
+    """
+
+    arg_constraints: dict = {}  # noqa: RUF012 (torch.distributions' class-level contract)
+    _position_level_masking = True
+
+    def __init__(
+        self,
+        scorer: TokenScorer,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        with_entropy: bool = True,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        if tokens.shape != mask.shape or mask.dtype != torch.bool:
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} and a bool mask of the same shape are required, "
+                f"got mask {mask.dtype} {tuple(mask.shape)}"
+            )
+        self._scorer = scorer
+        self._tokens = tokens
+        self._mask = mask
+        self.ignore_index = ignore_index
+        targets = tokens[mask].clamp_min(0).unsqueeze(-1)  # ignore_index scores as 0 anyway
+        token, entropy = scorer.stats(targets, with_entropy)
+        self._log_probs = self._scatter(token.squeeze(-1))
+        self._entropy = None if entropy is None else self._scatter(entropy)
+        super().__init__(
+            batch_shape=mask.shape,
+            event_shape=torch.Size([scorer.vocab_size]),
+            validate_args=False,
+        )
+
+    def _scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """Values `[*S, N]` of the masked positions into `[*S, B, T]`, zeros elsewhere."""
+        lead = values.shape[:-1]
+        mask = self._mask.expand(*lead, *self._mask.shape)
+        return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The `[B, T]` position mask: True where a position is scored."""
+        return self._mask
+
+    @property
+    def position_level_masking(self) -> bool:
+        return True
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """Log-probs of `value` `[*S, B, T]`: 0 off the mask and at `ignore_index`."""
+        keep = self._mask & (value != self.ignore_index)
+        if value.shape == self._tokens.shape and bool(((value == self._tokens) | ~keep).all()):
+            return torch.where(keep, self._log_probs, 0.0)
+        return self._rescore(value, keep)
+
+    def _rescore(self, value: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Log-probs of other tokens than the scored ones: one more chunked pass."""
+        flat = value.reshape(-1, *self._mask.shape)
+        targets = flat[:, self._mask].clamp_min(0).T  # [N, S]; ignore_index is zeroed below
+        token, _ = self._scorer.stats(targets.contiguous(), with_entropy=False)
+        scored = self._scatter(token.T).reshape(value.shape)
+        return torch.where(keep, scored, 0.0)
+
+    def entropy(self) -> torch.Tensor:
+        """Per-position entropy `[B, T]`, 0 where the mask is False."""
+        if self._entropy is None:
+            targets = torch.zeros_like(self._tokens[self._mask]).unsqueeze(-1)
+            _, entropy = self._scorer.stats(targets, with_entropy=True)
+            self._entropy = self._scatter(entropy)
+        return self._entropy
+
+    def sample(self, sample_shape: Sequence[int] | torch.Size = ()) -> torch.Tensor:
+        """Token ids `[*sample_shape, B, T]`; `ignore_index` where the mask is False."""
+        shape = torch.Size(sample_shape)
+        drawn = self._scorer.sample(shape)
+        mask = self._mask.expand(*shape, *self._mask.shape)
+        return torch.full_like(mask, self.ignore_index, dtype=torch.long).masked_scatter(
+            mask, drawn
+        )
+
+    def rsample(self, sample_shape: Sequence[int] | torch.Size = ()) -> torch.Tensor:
+        """No reparameterization for a categorical: a plain sample, as LLMMaskedCategorical."""
+        return self.sample(sample_shape)
