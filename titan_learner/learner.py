@@ -24,6 +24,7 @@ from torchrl.trainers.trainers import OptimizationStepper
 from titan_learner import model as titan_model
 from titan_learner import parallel, platform
 from titan_learner.batch import check_batch
+from titan_learner.build import build_sharded_model
 from titan_learner.config import Config
 from titan_learner.losses import build_loss
 from titan_learner.optim import build_lr_scheduler, build_optimizer
@@ -443,27 +444,10 @@ class TitanLearner(Learner):
 
         Run under torchrun for several processes; a plain `python` run forms a world of one.
         """
-        titan_model.require_hf_checkpoint(config.model, config.source)
-        device_type = platform.resolve_device_type(config.learner.device)
-        rank = parallel.init_process_group(device_type)
+        built = build_sharded_model(config)
+        model, spec, dims, device = built.model, built.spec, built.dims, built.device
         world_size = dist.get_world_size()
-        dims = parallel.build_parallel_dims(config, world_size)
-        attention = platform.attention_backend(config.model.attention, device_type)
-        spec = titan_model.model_spec(config.model, attention, config.source)
-        parallel.prepare_model_config(spec, config)
-        device = (
-            torch.device(device_type, torch.cuda.current_device())
-            if device_type == "cuda"
-            else torch.device("cpu")
-        )
-        full = titan_model.full_initial_state(spec, config.model, config.run.seed)
-        model = parallel.parallelize(
-            titan_model.build_meta(spec, config.source), spec, dims, config
-        )
-        titan_model.materialize(model, device)
-        titan_model.load_full_state(model, full)
-        del full
-        torch.manual_seed(config.run.seed + rank)
+        torch.manual_seed(config.run.seed + dist.get_rank())
         return cls(
             config=config,
             model=model,
@@ -477,7 +461,7 @@ class TitanLearner(Learner):
                 world_size=world_size,
                 data_parallel_size=dims.dp_replicate * dims.dp_shard,
                 tensor_parallel_size=dims.tp,
-                device_type=device_type,
+                device_type=device.type,
                 param_dtype=config.parallelism.param_dtype,
                 gradient_accumulation=True,
                 sharded=True,
