@@ -51,3 +51,20 @@ def train_layout(
 def run_layouts(rank: int, layouts: dict[str, dict]) -> dict[str, Any]:
     torch.manual_seed(0)
     return {name: train_layout(**spec) for name, spec in layouts.items()}
+
+
+def loss_parameter_rejected(rank: int) -> str:
+    """A loss with its own trainable parameter on dp_shard=2: construction must refuse it."""
+    from torch import nn
+
+    class LearnedCoefficient(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+    config = tiny_config(parallelism={"dp_shard": 2})
+    try:
+        TitanLearner.from_config(config, loss_module=LearnedCoefficient())
+    except ValueError as err:
+        return str(err)
+    return "accepted"

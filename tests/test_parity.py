@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import batches, tiny_config
-from scenarios import STEPS, run_layouts
+from scenarios import STEPS, loss_parameter_rejected, run_layouts
 from worlds import run_world
 
 from titan_learner.learner import LocalLearner
@@ -29,6 +29,8 @@ WORLD2 = {
             "activation_checkpoint": {"mode": "selective"},
         }
     },
+    "qwen3 dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}}, "model": "qwen3"},
+    "qwen3 tp=2": {"sections": {"parallelism": {"tp": 2, "dp_shard": 1}}, "model": "qwen3"},
     "dp_shard=2 accumulate 2": {
         "sections": {"parallelism": {"dp_shard": 2}, "learner": {"grad_accum_steps": 2}},
         "accumulate": True,
@@ -36,6 +38,10 @@ WORLD2 = {
 }
 WORLD4 = {
     "dp_shard=2 x tp=2": {"sections": {"parallelism": {"dp_shard": 2, "tp": 2}}},
+    "qwen3 dp_shard=2 x tp=2": {
+        "sections": {"parallelism": {"dp_shard": 2, "tp": 2}},
+        "model": "qwen3",
+    },
 }
 
 
@@ -51,6 +57,15 @@ def local_run(model: str) -> dict:
 @pytest.fixture(scope="module")
 def reference():
     return local_run("llama3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference():
+    return local_run("qwen3")
+
+
+def reference_for(layout: str, reference, qwen3_reference):
+    return qwen3_reference if layout.startswith("qwen3") else reference
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +97,8 @@ def test_one_process_titan_learner_matches_local(reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(WORLD2))
-def test_two_process_layouts_match_local(world2, reference, layout):
+def test_two_process_layouts_match_local(world2, reference, qwen3_reference, layout):
+    reference = reference_for(layout, reference, qwen3_reference)
     rank0, rank1 = world2
     # With accumulation the stepping call reports its own micro-batch's loss, not the window's;
     # the grad norm and the weights show the window equals one full batch.
@@ -94,7 +110,16 @@ def test_two_process_layouts_match_local(world2, reference, layout):
 
 
 @pytest.mark.slow
-def test_fsdp_x_tp_on_four_processes_matches_local(world4, reference):
+def test_fsdp_x_tp_on_four_processes_matches_local(world4, reference, qwen3_reference):
     assert_matches(world4[0]["dp_shard=2 x tp=2"], reference)
+    assert_matches(world4[0]["qwen3 dp_shard=2 x tp=2"], qwen3_reference)
     capabilities = world4[0]["dp_shard=2 x tp=2"]["capabilities"]
     assert (capabilities.data_parallel_size, capabilities.tensor_parallel_size) == (2, 2)
+
+
+@pytest.mark.slow
+def test_trainable_loss_parameters_are_rejected_under_data_parallelism():
+    messages = run_world(2, loss_parameter_rejected)
+    for message in messages:
+        assert message.startswith("the loss module has trainable parameters of its own (scale)")
+        assert "with 2 data-parallel ranks their gradients would not be synchronized" in message

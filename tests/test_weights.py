@@ -196,3 +196,15 @@ def test_streaming_peak_memory_is_about_one_bucket():
     assert measured["streamed_peak_mib"] < 2 * (measured["bucket_mib"] + largest_mib), measured
     assert measured["whole_peak_mib"] > 0.9 * measured["model_mib"], measured
     assert measured["streamed_peak_over_model"] < 0.5, measured
+
+
+def test_a_learner_starts_from_an_hf_checkpoint_directory(trained, tmp_path):
+    """[model] hf_checkpoint: safetensors read back through TorchTitan's adapter (from_hf)."""
+    learner, _ = trained
+    target = tmp_path / "policy"
+    push_weights(learner, SafetensorsDirSink(target, hf_config(learner.spec)), 16 * 1024, F32)
+    name = learner.spec.name
+    sections = {"model": {"name": name, "hf_checkpoint": str(target)}}
+    started = LocalLearner(tiny_config(name, **sections))
+    for key, value in learner.get_weights(dtype=F32).items():
+        torch.testing.assert_close(started.get_weights(dtype=F32)[key], value, atol=0, rtol=0)

@@ -111,6 +111,7 @@ class Learner:
         self.loss_module = (
             loss_module if loss_module is not None else build_loss(config.loss, self.policy)
         )
+        _reject_unsynchronized_loss_parameters(self.loss_module, model, capabilities)
         # The chunked pass computes entropy only for a loss that uses it.
         self.policy.compute_entropy = bool(getattr(self.loss_module, "entropy_bonus", True))
         self.capabilities = capabilities
@@ -376,6 +377,24 @@ def _loss_own_state(loss_module: nn.Module, model: nn.Module) -> dict[str, torch
         for name, t in (*loss_module.named_parameters(), *loss_module.named_buffers())
         if id(t) not in model_ids
     }
+
+
+def _reject_unsynchronized_loss_parameters(
+    loss_module: nn.Module, model: nn.Module, capabilities: Capabilities
+) -> None:
+    """A trainable parameter of the loss itself would get a different gradient on every
+    data-parallel rank (FSDP synchronizes the model's gradients only), so ranks would drift."""
+    if capabilities.data_parallel_size == 1:
+        return
+    own = _loss_own_state(loss_module, model)
+    trainable = sorted(n for n, t in own.items() if isinstance(t, nn.Parameter) and t.requires_grad)
+    if trainable:
+        raise ValueError(
+            f"the loss module has trainable parameters of its own ({', '.join(trainable[:5])}); "
+            f"with {capabilities.data_parallel_size} data-parallel ranks their gradients would "
+            "not be synchronized. Allowed: loss parameters with requires_grad=False (buffers), "
+            "or one data-parallel rank"
+        )
 
 
 @torch.no_grad()
