@@ -266,3 +266,17 @@ def test_checkpoint_of_a_fresh_learner_changes_nothing(config):
         checkpointed.update(batch)
         untouched.update(batch)
     assert_same_weights(weights(checkpointed), weights(untouched))
+
+
+def test_loading_a_fresh_checkpoint_clears_trained_optimizer_state(config):
+    """A checkpoint taken before any step holds empty Adam state; loading it must not keep the
+    live learner's moments (the upstream "saved-empty entry is ignored" bug)."""
+    fresh = LocalLearner(config)
+    state = fresh.checkpoint()
+    trained = LocalLearner(config)
+    for batch in batches(2):
+        trained.update(batch)
+    trained.load_checkpoint(state)
+    batch = batches(3)[2]
+    assert float(trained.update(batch)["grad_norm"]) == float(fresh.update(batch)["grad_norm"])
+    assert_same_weights(weights(trained), weights(fresh))
