@@ -88,9 +88,14 @@ def assert_matches(result, reference, compared=COMPARED):
 
 
 def test_one_process_titan_learner_matches_local(reference):
-    layouts = {"llama3": {"sections": {}}, "qwen3": {"sections": {}, "model": "qwen3"}}
+    layouts = {
+        "llama3": {"sections": {}},
+        "qwen3": {"sections": {}, "model": "qwen3"},
+        "compiled": {"sections": {"compile": {"enable": True}}},
+    }
     [result] = run_world(1, run_layouts, layouts)
     assert_matches(result["llama3"], reference)
+    assert_matches(result["compiled"], reference)  # per-block torch.compile, HF names exported
     assert_matches(result["qwen3"], local_run("qwen3"))
     assert result["llama3"]["capabilities"].sharded
 
