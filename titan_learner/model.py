@@ -9,6 +9,7 @@ one-process run, and what parity tests and layout changes rely on.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,9 +119,14 @@ def build_meta(spec: ModelSpec, source: str = "<config>") -> nn.Module:
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate a meta-built (possibly sharded) model and run its own init (buffers included)."""
+    """Allocate a meta-built (possibly sharded) model and run its own init (buffers included).
+
+    The random values this draws on sharded parameters are overwritten by `load_full_state`, so
+    DTensor's warning that its CPU random ops may differ from a full tensor's does not apply.
+    """
     model.to_empty(device=device)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not")
         model.init_weights(buffer_device=device)
 
 
