@@ -280,3 +280,14 @@ def test_loading_a_fresh_checkpoint_clears_trained_optimizer_state(config):
     batch = batches(3)[2]
     assert float(trained.update(batch)["grad_norm"]) == float(fresh.update(batch)["grad_norm"])
     assert_same_weights(weights(trained), weights(fresh))
+
+
+def test_clip_norm_zero_disables_clipping_but_reports_the_norm():
+    clipped = LocalLearner(tiny_config(learner={"clip_norm": 1e-3}))
+    unclipped = LocalLearner(tiny_config(learner={"clip_norm": 0.0}))
+    batch = batches(1)[0]
+    small, free = clipped.update(batch), unclipped.update(batch)
+    assert float(free["grad_norm"]) == pytest.approx(float(small["grad_norm"]))
+    assert float(free["grad_norm"]) > 1e-3
+    moved = (weights(unclipped)["model.norm.weight"] - 1).abs().max()
+    assert moved > (weights(clipped)["model.norm.weight"] - 1).abs().max()

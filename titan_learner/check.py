@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_learner.config import Config, check_world_size
-from titan_learner.schema import as_plain_dict
+from titan_learner.config import Config, check_world_size, config_to_toml
 
 GIB = 1024**3
 
@@ -53,12 +52,7 @@ def plan(config: Config, world_size: int) -> Plan:
 
 
 def render(config: Config, p: Plan) -> str:
-    resolved = as_plain_dict(config)
-    resolved.pop("source")
-    loss = resolved.pop("loss")
-    resolved["loss"] = {"name": loss["name"], **loss["kwargs"]}
-    lines = [f"config: {config.source} (valid)", "", "[resolved]"]
-    lines += [_toml_table(name, table) for name, table in resolved.items()]
+    lines = [f"config: {config.source} (valid)", "", "[resolved]", config_to_toml(config)]
     mesh = f"dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp}"
     total = sum(p.bytes_per_rank.values())
     lines += [
@@ -80,24 +74,3 @@ def render(config: Config, p: Plan) -> str:
 
 def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024**2:.2f} MiB"
-
-
-def _toml_table(name: str, table: dict, prefix: str = "") -> str:
-    header = f"[{prefix}{name}]"
-    scalars, subtables = [], []
-    for key, value in table.items():
-        if isinstance(value, dict):
-            subtables.append(_toml_table(key, value, prefix=f"{prefix}{name}."))
-        elif value is not None:
-            scalars.append(f"{key} = {_toml_value(value)}")
-    return "\n".join([header, *scalars, *subtables])
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)

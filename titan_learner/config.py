@@ -7,6 +7,9 @@ nothing TorchTitan already describes is re-implemented here.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +98,8 @@ class LRSchedulerSection:
 @dataclass
 class LearnerSection:
     grad_accum_steps: int = field(default=1, metadata=POSITIVE)
-    clip_norm: float | None = field(default=1.0, metadata={"min": 0.0})
+    clip_norm: float = field(default=1.0, metadata={"min": 0.0})
+    """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still reported)."""
     mixed_precision: bool = False
     """Autocast the forward pass to autocast_dtype (on top of FSDP's param_dtype)."""
     autocast_dtype: Literal["bfloat16", "float16"] = "bfloat16"
@@ -283,3 +287,150 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"invalid TOML: {err}", source=source) from None
     apply_overrides(data, overrides or [], source)
     return config_from_dict(data, source)
+
+
+# -- the resolved config as TOML ------------------------------------------------------------------
+
+RESOLVED_CONFIG = "config.toml"
+"""The file a checkpoint root holds: the config that trained it, so an export needs no other."""
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def config_to_toml(config: Config) -> str:
+    """The config as TOML that `load_config` reads back to an equal Config (`source` aside).
+
+    One table per section in schema order, then its sub-tables; `[loss]` holds `name` and the
+    loss keyword arguments as plain keys, as a user writes them. TOML has no null: a None is left
+    out, which reads back as the field's default, so a None whose default is not None (set from
+    Python) raises ValueError instead of changing meaning.
+    """
+    tables = []
+    for name in SECTIONS:
+        section = getattr(config, name)
+        if name == "loss":
+            table = {"name": section.name, **_plain(section.kwargs, ("loss",))}
+        else:
+            table = _plain(section, (name,))
+        tables.append(_toml_table(name, table))
+    return "\n".join(tables)
+
+
+def save_resolved_config(config: Config, directory: str | os.PathLike) -> Path:
+    """Write `config_to_toml(config)` to `directory/config.toml` atomically; return its path.
+
+    A reader sees the previous file or the new one, whole (temp file, fsync, os.replace).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    source = _toml_string(config.source)  # one line, whatever the path holds
+    text = f"# The resolved config of this run (from {source}); read by `export`.\n"
+    text += config_to_toml(config) + "\n"
+    final = directory / RESOLVED_CONFIG
+    tmp = directory / f".{RESOLVED_CONFIG}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+_NO_DEFAULT = object()
+
+
+def _plain(obj: Any, path: tuple[str, ...]) -> dict[str, Any]:
+    """A section (dataclass) or table (dict) as a dict of TOML-representable values."""
+    if dataclasses.is_dataclass(obj):
+        items = [(f.name, getattr(obj, f.name), _default(f)) for f in dataclasses.fields(obj)]
+    else:
+        items = [(key, value, _NO_DEFAULT) for key, value in obj.items()]
+    out: dict[str, Any] = {}
+    for key, value, default in items:
+        where = (*path, key)
+        if value is None:
+            if default is None:  # left out, it reads back as the default: None
+                continue
+            meaning = "drop the key" if default is _NO_DEFAULT else f"mean {default!r}"
+            raise ValueError(
+                f"{_location(where)} = None has no TOML form (TOML has no null) and leaving "
+                f"it out would {meaning}; set a value instead"
+            )
+        if dataclasses.is_dataclass(value) or isinstance(value, dict):
+            out[key] = _plain(value, where)
+        else:
+            out[key] = _plain_value(value, where)
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return _NO_DEFAULT
+
+
+def _plain_value(value: Any, where: tuple[str, ...]) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(v, where) for v in value]
+    if isinstance(value, dict):
+        return _plain(value, where)
+    if value is None or not isinstance(value, (bool, int, float, str)):
+        raise ValueError(f"{_location(where)}: {value!r} has no TOML form")
+    return value
+
+
+def _location(path: tuple[str, ...]) -> str:
+    return f"[{'.'.join(path[:-1])}] {path[-1]}"
+
+
+def _toml_table(name: str, table: dict[str, Any], prefix: str = "") -> str:
+    header = f"[{prefix}{_toml_key(name)}]"
+    scalars, subtables = [], []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            subtables.append(_toml_table(key, value, prefix=f"{prefix}{_toml_key(name)}."))
+        else:
+            scalars.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    return "\n".join([header, *scalars, *subtables])
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    out = []
+    for char in text:
+        if char in _ESCAPES:
+            out.append(_ESCAPES[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return repr(value)  # ints; floats as 1e-05, 0.9, inf, -inf, nan: all TOML

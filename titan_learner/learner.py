@@ -11,8 +11,10 @@ rank of the world, the same number of times, in the same order.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -117,7 +119,9 @@ class Learner:
         self.capabilities = capabilities
         self._dp_group = data_parallel_group
         self.tensor_parallel_group = tensor_parallel_group
-        self.clip_norm = config.learner.clip_norm
+        # 0 disables clipping; an infinite threshold still computes (and reports) the norm and
+        # keeps TorchRL's non-finite-gradient guard, which None would turn off.
+        self.clip_norm = config.learner.clip_norm or math.inf
         self.optimizer = build_optimizer(model, config, device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
         self.stepper = self._adopt_stepper(stepper)
@@ -140,7 +144,7 @@ class Learner:
                 mixed_precision=learner.mixed_precision,
                 autocast_dtype=DTYPES[learner.autocast_dtype],
                 gradient_accumulation_steps=learner.grad_accum_steps,
-                clip_norm=learner.clip_norm,
+                clip_norm=self.clip_norm,
                 device_type=self.device.type,
             )
         if not isinstance(stepper, OptimizationStepper):
@@ -302,9 +306,17 @@ class Learner:
         return state
 
     def save(self, directory: str, **options: Any) -> Any:
-        """DCP checkpoint (a collective on every rank): see titan_learner.checkpoint.save."""
-        from titan_learner import checkpoint
+        """DCP checkpoint (a collective on every rank): see titan_learner.checkpoint.save.
 
+        Rank 0 also writes the resolved config beside the steps (`directory/config.toml`), so a
+        checkpoint says which model it holds (`python -m titan_learner export` reads it).
+        """
+        from titan_learner import checkpoint
+        from titan_learner.config import save_resolved_config
+
+        if self._rank() == 0:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            save_resolved_config(self.config, directory)
         return checkpoint.save(self, directory, **options)
 
     def load(self, directory: str, **options: Any) -> Any:
