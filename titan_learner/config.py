@@ -111,9 +111,6 @@ class LearnerSection:
     > 0 never holds more than one chunk of [chunk, vocab] float32 logits, in forward or backward."""
 
 
-LOSS_NAMES = ("grpo", "dapo", "cispo")
-
-
 @dataclass
 class LossSection:
     name: Literal["grpo", "dapo", "cispo"] = "grpo"

@@ -34,10 +34,6 @@ def _registry(name: str):
     return model_registry, configs
 
 
-def flavors(name: str) -> list[str]:
-    return list(_registry(name)[1])
-
-
 def _resized_layers(name: str, base, o, attn_backend: str) -> list:
     """Rebuild the per-layer configs with TorchTitan's own layer builder at the new shape."""
     attn = base.layers[0].attention
