@@ -150,9 +150,17 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
 
 
-def grpo_step(config: Config, learner, generator, task, rngs: StepRngs) -> dict[str, float]:
-    """One GRPO step on this rank: rollout, update (in micro-batches), weight push."""
+def grpo_step(
+    config: Config, learner, generator, task, rngs: StepRngs, reference=None
+) -> dict[str, float]:
+    """One GRPO step on this rank: rollout, update (in micro-batches), weight push.
+
+    With a `reference` (a `ReferenceModel`, for `kl_to_ref_coeff`), its log-probs join each
+    micro-batch (already the same within a tensor-parallel group) before its update; that
+    forward is timed as part of `update_s`.
+    """
     from titan_learner.advantage import group_advantages
+    from titan_learner.batch import REF_LOG_PROBS_KEY
     from titan_learner.sinks import GeneratorSink, push_weights
 
     rollout_cfg = config.rollout
@@ -179,6 +187,8 @@ def grpo_step(config: Config, learner, generator, task, rngs: StepRngs) -> dict[
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     for micro in batch.chunk(config.learner.grad_accum_steps):
+        if reference is not None:  # a collective, per micro-batch (bounded like the update)
+            micro.set(REF_LOG_PROBS_KEY, reference.log_probs(micro))
         metrics = {k: float(v) for k, v in learner.update(micro).items()}
     update_s = time.perf_counter() - start
 
@@ -210,12 +220,15 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
     """Build everything from the config and run the job; per-step metrics (same on every rank)."""
     from titan_learner.checkpoint import latest, wait_for_pending_save
     from titan_learner.learner import TitanLearner
+    from titan_learner.reference import ReferenceModel
     from titan_learner.sinks import GeneratorSink, push_weights
     from titan_learner.telemetry import Telemetry
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     task = check_job(config, world_size)
     learner = TitanLearner.from_config(config)
+    # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
+    reference = ReferenceModel(config) if config.loss.kwargs.get("kl_to_ref_coeff") else None
     rank = dist.get_rank()
     output_dir = Path(config.run.output_dir)
     checkpoints = output_dir / "checkpoints"
@@ -238,7 +251,7 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
             rngs = StepRngs.for_step(
                 config.run.seed, step, learner.data_parallel_rank, learner.device
             )
-            metrics = grpo_step(config, learner, generator, task, rngs)
+            metrics = grpo_step(config, learner, generator, task, rngs, reference)
             history.append(metrics)
             telemetry.log(step, metrics)
             if config.checkpoint.interval and step % config.checkpoint.interval == 0:
