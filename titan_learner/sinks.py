@@ -45,11 +45,12 @@ class StagingSink:
 
     def __init__(self) -> None:
         self._staged: list[tuple[str, torch.Tensor]] | None = None
+        self._pending_version: int | None = None
         self.version: int | None = None
 
     def begin(self, version: int) -> None:
         self._staged = []
-        self._pending_version = version
+        self._pending_version = int(version)
 
     def write(self, bucket: Bucket) -> None:
         if self._staged is None:
@@ -63,6 +64,10 @@ class StagingSink:
         staged, self._staged = self._staged, None
         if staged is None:
             raise WeightTransferError("commit() before begin()")
+        if manifest.version != self._pending_version:
+            raise WeightTransferError(
+                f"commit of v{manifest.version} for a begin(v{self._pending_version})"
+            )
         verify(staged, manifest)
         self.apply(staged, manifest.version)
         self.version = manifest.version

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from titan_learner.generators.vllm import VLLMWeightLoader, hf_parameter_shapes
-from titan_learner.sinks import WeightTransferError, verify
+from titan_learner.sinks import StagingSink, WeightTransferError, verify
 from titan_learner.weights import TIED_HF_PAIR, Bucket, WeightsManifest
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def engine_weights(
     }
 
 
-class VLLMSink:
+class VLLMSink(StagingSink):
     """A `WeightSink` into vLLM engines through a TorchRL vLLM weight sender (see module doc).
 
     `sender` is TorchRL's `VLLMWeightSender` (from `VLLMWeightSyncScheme(strategy="state_dict")`),
@@ -180,12 +180,10 @@ class VLLMSink:
                 f"sender must be a TorchRL weight sender with update_weights(weights), "
                 f"got {type(sender).__name__}"
             )
+        super().__init__()
         self.sender = sender
         self.metadata = check_metadata(metadata)
-        self.version: int | None = None
         self.consistent = True
-        self._staged: list[tuple[str, torch.Tensor]] | None = None
-        self._pending_version: int | None = None
 
     @classmethod
     def for_async_vllm(
@@ -224,39 +222,19 @@ class VLLMSink:
         sender.init_all_workers_group(metadata, vllm_engine=engine)
         return cls(sender, metadata)
 
-    def begin(self, version: int) -> None:
-        self._staged = []
-        self._pending_version = int(version)
-
-    def write(self, bucket: Bucket) -> None:
-        if self._staged is None:
-            raise WeightTransferError("write() before begin()")
-        self._staged.extend(bucket)
-
-    def abort(self) -> None:
-        self._staged = None
-
-    def commit(self, manifest: WeightsManifest) -> None:
-        staged, self._staged = self._staged, None
-        if staged is None:
-            raise WeightTransferError("commit() before begin()")
-        if manifest.version != self._pending_version:
-            raise WeightTransferError(
-                f"commit of v{manifest.version} for a begin(v{self._pending_version})"
-            )
-        verify(staged, manifest)  # complete and intact, as the learner exported it
-        weights = engine_weights(staged, self.metadata)  # what the engine loads, in its dtype
-        del staged
+    def apply(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Send a verified export (StagingSink.commit checked it) in the engine's names/dtype."""
+        weights = engine_weights(named, self.metadata)  # what the engine loads, in its dtype
+        del named
         try:
             self.sender.update_weights(weights)
         except BaseException as err:
             previous, self.version, self.consistent = self.version, None, False
             raise WeightTransferError(
-                f"sending export v{manifest.version} to the vLLM engine failed: {err}. The "
-                f"engine may hold a mix of v{previous} and v{manifest.version} weights; push "
+                f"sending export v{version} to the vLLM engine failed: {err}. The "
+                f"engine may hold a mix of v{previous} and v{version} weights; push "
                 "again before generating"
             ) from err
-        self.version = manifest.version
         self.consistent = True
 
 
