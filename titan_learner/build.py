@@ -32,15 +32,18 @@ class ShardedModel:
     device: torch.device
 
 
-def build_sharded_model(config: Config) -> ShardedModel:
+def build_sharded_model(config: Config, dims: ParallelDims | None = None) -> ShardedModel:
     """Build and shard the model of `config` on the default process group (formed if needed).
 
     Run under torchrun for several processes; a plain `python` run forms a world of one.
+    `dims`: an existing mesh to shard on (a second model on the same layout then shares its
+    process groups instead of creating new communicators).
     """
     titan_model.require_hf_checkpoint(config.model, config.source)
     device_type = platform.resolve_device_type(config.learner.device)
     parallel.init_process_group(device_type)
-    dims = parallel.build_parallel_dims(config, dist.get_world_size())
+    if dims is None:
+        dims = parallel.build_parallel_dims(config, dist.get_world_size())
     attention = platform.attention_backend(config.model.attention, device_type)
     spec = titan_model.model_spec(config.model, attention, config.source)
     parallel.prepare_model_config(spec, config)

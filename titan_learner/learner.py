@@ -35,6 +35,7 @@ from titan_learner.stepper import TitanOptimizationStepper
 from titan_learner.weights import DEFAULT_BUCKET_BYTES, WeightExport, iter_hf_tensors
 
 if TYPE_CHECKING:
+    from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +92,7 @@ class Learner:
     """
 
     clip_grad_norm = True
+    parallel_dims: ParallelDims | None = None  # TorchTitan's mesh; None for LocalLearner
 
     def __init__(
         self,
@@ -479,7 +481,7 @@ class TitanLearner(Learner):
         model, spec, dims, device = built.model, built.spec, built.dims, built.device
         world_size = dist.get_world_size()
         torch.manual_seed(config.run.seed + dist.get_rank())
-        return cls(
+        learner = cls(
             config=config,
             model=model,
             spec=spec,
@@ -498,3 +500,5 @@ class TitanLearner(Learner):
                 sharded=True,
             ),
         )
+        learner.parallel_dims = dims  # the mesh, for models sharded alike (a reference)
+        return learner

@@ -27,6 +27,8 @@ from titan_learner.learner import DTYPES
 from titan_learner.policy import ATTENTION_MASK_KEY, TOKENS_KEY, TitanPolicy
 
 if TYPE_CHECKING:
+    from torchtitan.distributed import ParallelDims
+
     from titan_learner.config import Config
 
 
@@ -39,11 +41,12 @@ class ReferenceModel:
     ranks of one tensor-parallel group must pass the same batch.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, dims: ParallelDims | None = None) -> None:
+        """`dims`: the learner's mesh (`TitanLearner.parallel_dims`), to share its groups."""
         # Materializing the model draws from the global RNG: keep the learner's stream as it was.
         cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=cuda):
-            built = build_sharded_model(config)
+            built = build_sharded_model(config, dims)
         self.model = built.model.requires_grad_(False).eval()
         self.device = built.device
         learner = config.learner

@@ -228,7 +228,11 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
     task = check_job(config, world_size)
     learner = TitanLearner.from_config(config)
     # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
-    reference = ReferenceModel(config) if config.loss.kwargs.get("kl_to_ref_coeff") else None
+    reference = (
+        ReferenceModel(config, learner.parallel_dims)
+        if config.loss.kwargs.get("kl_to_ref_coeff")
+        else None
+    )
     rank = dist.get_rank()
     output_dir = Path(config.run.output_dir)
     checkpoints = output_dir / "checkpoints"
