@@ -19,6 +19,7 @@ logits must then equal the learner model's (atol 1e-5, as tests/test_weights.py)
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 
@@ -111,34 +112,24 @@ def _send(scheme, weights: TensorDictBase) -> None:
         raise errors[0]
 
 
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
-def test_learner_weights_round_trip_through_a_torchrl_scheme(scheme_name):
-    learner = LocalLearner(tiny_config("llama3"))
-    config = hf_config(learner.spec)
-    x = tokens()
-    initial_logits = learner_logits(learner, x)
-    initial = as_module_weights(learner.get_weights(dtype=F32))
-
+@contextlib.contextmanager
+def synced_receiver(scheme, learner: LocalLearner, x: torch.Tensor):
+    """A spawned receiver kept in sync with `learner` through `scheme`; yields the queues to ask
+    it for logits, after the initial sync of the learner's current weights."""
     ctx = mp.get_context("spawn")
-    scheme = SCHEMES[scheme_name]()
     scheme.init_on_sender(
-        model_id="policy", weights=initial, devices=[torch.device("cpu")], ctx=ctx
+        model_id="policy",
+        weights=as_module_weights(learner.get_weights(dtype=F32)),
+        devices=[torch.device("cpu")],
+        ctx=ctx,
     )
     commands, results = ctx.Queue(), ctx.Queue()
+    config = hf_config(learner.spec)
     child = ctx.Process(target=_receiver, args=(scheme, config, x, commands, results))
     child.start()
     try:
-        scheme.connect()  # the initial sync: the learner's initial weights
-        received, _ = _ask_logits(commands, results)
-        torch.testing.assert_close(received, initial_logits, atol=1e-5, rtol=0)
-
-        learner.update(batches(1)[0])
-        assert learner.policy_version == 1
-        after_update = learner_logits(learner, x)
-        assert not torch.allclose(after_update, initial_logits, atol=1e-4)
-        _send(scheme, as_module_weights(learner.get_weights(dtype=F32)))
-        received, _ = _ask_logits(commands, results)
-        torch.testing.assert_close(received, after_update, atol=1e-5, rtol=0)
+        scheme.connect()  # the initial sync: the learner's current weights
+        yield commands, results
         commands.put("stop")
         child.join(60)
         assert child.exitcode == 0
@@ -146,6 +137,24 @@ def test_learner_weights_round_trip_through_a_torchrl_scheme(scheme_name):
         if child.is_alive():
             child.kill()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+def test_learner_weights_round_trip_through_a_torchrl_scheme(scheme_name):
+    learner = LocalLearner(tiny_config("llama3"))
+    x = tokens()
+    initial_logits = learner_logits(learner, x)
+    scheme = SCHEMES[scheme_name]()
+    with synced_receiver(scheme, learner, x) as (commands, results):
+        received, _ = _ask_logits(commands, results)
+        torch.testing.assert_close(received, initial_logits, atol=1e-5, rtol=0)
+        learner.update(batches(1)[0])
+        assert learner.policy_version == 1
+        after_update = learner_logits(learner, x)
+        assert not torch.allclose(after_update, initial_logits, atol=1e-4)
+        _send(scheme, as_module_weights(learner.get_weights(dtype=F32)))
+        received, _ = _ask_logits(commands, results)
+        torch.testing.assert_close(received, after_update, atol=1e-5, rtol=0)
 
 
 def test_tied_embeddings_stay_equal_through_the_scheme():
@@ -155,34 +164,15 @@ def test_tied_embeddings_stay_equal_through_the_scheme():
     parameters are no longer one object afterwards; every update writes both names with the same
     values, which is what is checked."""
     learner = LocalLearner(tiny_config("qwen3"))
-    config = hf_config(learner.spec)
-    assert config.tie_word_embeddings
+    assert hf_config(learner.spec).tie_word_embeddings
     x = tokens()
-    ctx = mp.get_context("spawn")
     scheme = MultiProcessWeightSyncScheme()
-    scheme.init_on_sender(
-        model_id="policy",
-        weights=as_module_weights(learner.get_weights(dtype=F32)),
-        devices=[torch.device("cpu")],
-        ctx=ctx,
-    )
-    commands, results = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_receiver, args=(scheme, config, x, commands, results))
-    child.start()
-    try:
-        scheme.connect()
+    with synced_receiver(scheme, learner, x) as (commands, results):
         learner.update(batches(1)[0])
         _send(scheme, as_module_weights(learner.get_weights(dtype=F32)))
         received, tied_equal = _ask_logits(commands, results)
         assert tied_equal, "lm_head and embed_tokens differ on the receiver"
         torch.testing.assert_close(received, learner_logits(learner, x), atol=1e-5, rtol=0)
-        commands.put("stop")
-        child.join(60)
-        assert child.exitcode == 0
-    finally:
-        if child.is_alive():
-            child.kill()
-        scheme.shutdown()
 
 
 def test_a_flat_tensordict_needs_the_adapter():
