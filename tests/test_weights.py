@@ -208,3 +208,14 @@ def test_a_learner_starts_from_an_hf_checkpoint_directory(trained, tmp_path):
     started = LocalLearner(tiny_config(name, **sections))
     for key, value in learner.get_weights(dtype=F32).items():
         torch.testing.assert_close(started.get_weights(dtype=F32)[key], value, atol=0, rtol=0)
+
+
+def test_an_unhashed_export_still_checks_names_and_shapes(trained):
+    """checksum=False (in-process receivers) skips the bytes, not the structure."""
+    learner, _ = trained
+    export = learner.iter_weights(dtype=F32, checksum=False)
+    named = [pair for bucket in export for pair in bucket]
+    assert export.manifest.checksum == ""
+    verify(named, export.manifest)
+    with pytest.raises(WeightTransferError, match="incomplete: missing"):
+        verify(named[1:], export.manifest)

@@ -245,6 +245,7 @@ class Learner:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: torch.dtype | None = None,
         cpu_offload: bool = True,
+        checksum: bool = True,
     ) -> WeightExport:
         """Stream the weights as buckets of (Hugging Face name, full plain tensor).
 
@@ -252,6 +253,8 @@ class Learner:
         cpu_offload=True: CPU tensors on rank 0, empty buckets elsewhere; False: tensors on the
         learner's device on every rank. dtype defaults to [learner] export_dtype. The returned
         export's `manifest` (names, shapes, dtypes, version, checksum) is set once iterated.
+        checksum=False skips hashing the bytes (a device-to-host copy of every tensor on GPU)
+        where they never leave the process; names and shapes are still in the manifest.
         """
         dtype = dtype or DTYPES[self.config.learner.export_dtype]
         return WeightExport(
@@ -261,6 +264,7 @@ class Learner:
             dtype=dtype,
             device=torch.device("cpu") if cpu_offload else self.device,
             keep=not cpu_offload or self._rank() == 0,
+            checksum=checksum,
         )
 
     @torch.no_grad()
@@ -270,7 +274,9 @@ class Learner:
         cpu_offload=True: CPU copies on rank 0, an empty TensorDict on other ranks.
         cpu_offload=False: full tensors on the learner's device, on every rank.
         """
-        export = self.iter_weights(bucket_bytes=2**62, dtype=dtype, cpu_offload=cpu_offload)
+        export = self.iter_weights(
+            bucket_bytes=2**62, dtype=dtype, cpu_offload=cpu_offload, checksum=False
+        )
         return TensorDict(dict(pair for bucket in export for pair in bucket), batch_size=[])
 
     def checkpoint(self) -> dict[str, Any]:

@@ -225,6 +225,7 @@ def push_weights(
     bucket_bytes: int,
     dtype: torch.dtype | None = None,
     cpu_offload: bool = True,
+    checksum: bool = True,
 ) -> WeightsManifest:
     """Export the learner's weights into `sink`; a collective on every rank.
 
@@ -234,7 +235,9 @@ def push_weights(
     If the sink fails midway, rank 0 keeps iterating so the other ranks' gathers complete (no
     hang), then aborts the sink and raises; the receiver keeps its previous weights.
     """
-    export = learner.iter_weights(bucket_bytes=bucket_bytes, dtype=dtype, cpu_offload=cpu_offload)
+    export = learner.iter_weights(
+        bucket_bytes=bucket_bytes, dtype=dtype, cpu_offload=cpu_offload, checksum=checksum
+    )
     feeding = export.keep
     failure: BaseException | None = None
     if feeding:

@@ -122,6 +122,17 @@ def build_generator(config: Config, learner, task):
     )
 
 
+def sync_generator(learner, generator) -> None:
+    """Every rank's embedded generator takes the learner's full weights (a collective).
+
+    The tensors never leave the process, so the manifest's names and shapes are checked but the
+    bytes are not hashed (on GPU that would copy the whole model to the host every step).
+    """
+    from titan_learner.sinks import GeneratorSink, push_weights
+
+    push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False, checksum=False)
+
+
 def gather_over(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All data-parallel ranks' values, concatenated (every rank gets all)."""
     if group is None:
@@ -161,7 +172,6 @@ def grpo_step(
     """
     from titan_learner.advantage import group_advantages
     from titan_learner.batch import REF_LOG_PROBS_KEY
-    from titan_learner.sinks import GeneratorSink, push_weights
 
     rollout_cfg = config.rollout
     dp = learner.capabilities.data_parallel_size
@@ -193,7 +203,7 @@ def grpo_step(
     update_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False)
+    sync_generator(learner, generator)
     sync_s = time.perf_counter() - start
 
     all_rewards = gather_over(rewards, learner._dp_group)
@@ -221,7 +231,6 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
     from titan_learner.checkpoint import latest, wait_for_pending_save
     from titan_learner.learner import TitanLearner
     from titan_learner.reference import ReferenceModel
-    from titan_learner.sinks import GeneratorSink, push_weights
     from titan_learner.telemetry import Telemetry
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -243,7 +252,7 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
     elif resume and rank == 0:
         print(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
     generator = build_generator(config, learner, task)
-    push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False)
+    sync_generator(learner, generator)
     telemetry = (
         Telemetry(output_dir, config.run.steps, start_step=learner.step)
         if rank == 0

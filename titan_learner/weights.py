@@ -137,6 +137,7 @@ class WeightExport:
         dtype: torch.dtype,
         device: torch.device,
         keep: bool,
+        checksum: bool = True,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -146,11 +147,12 @@ class WeightExport:
         self.dtype = dtype
         self.device = device
         self.keep = keep
+        self.checksum = checksum
         self.manifest: WeightsManifest | None = None
 
     def __iter__(self) -> Iterator[Bucket]:
         names, shapes, dtypes = [], [], []
-        digest = Checksum() if self.keep else None
+        digest = Checksum() if self.keep and self.checksum else None
         bucket: Bucket = []
         filled = 0
         for name, full in self._named:
@@ -162,7 +164,8 @@ class WeightExport:
             filled += tensor.numel() * tensor.element_size()
             if self.keep:
                 tensor = tensor.to(self.device)
-                digest.update(name, tensor)
+                if digest is not None:
+                    digest.update(name, tensor)
                 bucket.append((name, tensor))
             if filled >= self.bucket_bytes:
                 yield bucket
