@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from titan_learner import checkpoint
-from titan_learner.batch import synthetic_batch
-from titan_learner.config import load_config
-from titan_learner.learner import TitanLearner
-from titan_learner.schema import ConfigError
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.toml import load_config
+from titan_learner.learner.batch import synthetic_batch
+from titan_learner.learner.titan import TitanLearner
 
 DEFAULT_SIZE = [
     "model.overrides.vocab_size=8192",

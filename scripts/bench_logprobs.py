@@ -34,8 +34,13 @@ from tensordict import TensorDict
 from torch import nn
 from torchrl.objectives.llm import GRPOLoss
 
-from titan_learner.batch import check_batch
-from titan_learner.policy import ASSISTANT_MASK_KEY, ATTENTION_MASK_KEY, TOKENS_KEY, TitanPolicy
+from titan_learner.learner.batch import (
+    ASSISTANT_MASK_KEY,
+    ATTENTION_MASK_KEY,
+    TOKENS_KEY,
+    check_batch,
+)
+from titan_learner.learner.policy import TitanPolicy
 
 GIB = 1024**3
 MMAP_THRESHOLD = "131072"

@@ -46,11 +46,12 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titan_learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY, synthetic_batch
-from titan_learner.config import load_config
-from titan_learner.learner import DTYPES, TitanLearner
-from titan_learner.model import uses_flex_attention
-from titan_learner.schema import ConfigError
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.toml import load_config
+from titan_learner.dtypes import DTYPES
+from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY, synthetic_batch
+from titan_learner.learner.titan import TitanLearner
+from titan_learner.model.spec import uses_flex_attention
 
 IGNORE_INDEX = -100
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_learner.config import load_config
-from titan_learner.learner import TitanLearner
-from titan_learner.schema import ConfigError
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.toml import load_config
+from titan_learner.learner.titan import TitanLearner
 
 MIB = 1024**2
 

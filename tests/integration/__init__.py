@@ -1,0 +1,1 @@
+"""Multi-process gloo worlds and whole-job runs (mostly marked slow)."""

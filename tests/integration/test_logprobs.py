@@ -1,0 +1,216 @@
+"""Chunked token log-probs ([learner] logprob_chunk_size > 0) equal the dense [B, T, V] path.
+
+Same weights, same batch: every GRPO-family loss term and every parameter gradient agree within
+1e-5 across chunk sizes (dividing the scored positions or not), entropy bonus on and off, and
+each masking strategy; three `update` calls end at the same weights. The distribution answers
+the rest of what TorchRL's losses may call (other tokens, lazy entropy, sampling), and the
+lm_head never sees more than one chunk of positions, in forward or backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torchrl.modules.distributions.utils import sample_and_log_prob
+
+from tests.support.models import SEQ_LEN, VOCAB, batches, tiny_config
+from tests.support.scenarios import run_layouts
+from tests.support.worlds import run_world
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.schema import LossSection
+from titan_learner.learner.batch import (
+    ATTENTION_MASK_KEY,
+    REF_LOG_PROBS_KEY,
+    TOKENS_KEY,
+    check_batch,
+)
+from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.logprobs import ChunkedTokenCategorical, chunked_token_stats
+from titan_learner.learner.losses import build_loss
+from titan_learner.learner.policy import TitanPolicy
+
+TOL = 1e-5
+SCORED = 64  # 8 sequences x 8 response tokens: chunk sizes 5 and 7 divide neither it nor B * T
+CHUNK_SIZES = (1, 5, 7, 64, 1000)
+
+
+@pytest.fixture(scope="module")
+def learner() -> LocalLearner:
+    return LocalLearner(tiny_config())
+
+
+@pytest.fixture(scope="module")
+def batch():
+    batch = batches(1)[0]
+    generator = torch.Generator().manual_seed(1)
+    batch.set(REF_LOG_PROBS_KEY, -torch.rand(batch.batch_size[0], SEQ_LEN, generator=generator))
+    return check_batch(batch, VOCAB, needs_ref_log_probs=True)
+
+
+def loss_and_grads(learner: LocalLearner, loss, batch, chunk_size: int):
+    """Loss terms and all parameter gradients with the policy set to `chunk_size`."""
+    learner.policy.logprob_chunk_size = chunk_size
+    learner.model.zero_grad(set_to_none=True)
+    try:
+        out = loss(batch.clone())
+    finally:
+        learner.policy.logprob_chunk_size = 0
+    terms = {k: out.get(k) for k in out.keys() if out.get(k) is not None}
+    sum(v for k, v in terms.items() if k.startswith("loss")).backward()
+    grads = {name: p.grad.clone() for name, p in learner.model.named_parameters()}
+    return {k: v.detach() for k, v in terms.items()}, grads
+
+
+def assert_close_dicts(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, atol=TOL, rtol=0, msg=key)
+
+
+LOSSES = {
+    "grpo": {"name": "grpo", "kwargs": {}},
+    "grpo no entropy": {"name": "grpo", "kwargs": {"entropy_bonus": False}},
+    "grpo generic mask": {"name": "grpo", "kwargs": {"masking_strategy": "generic"}},
+    "grpo sft mask": {"name": "grpo", "kwargs": {"masking_strategy": "sft"}},
+    "grpo kl prompt_mean": {
+        "name": "grpo",
+        "kwargs": {
+            "kl_to_ref_coeff": 0.1,
+            "kl_to_inference_coeff": 0.05,
+            "aggregation": "prompt_mean",
+        },
+    },
+    "dapo": {"name": "dapo", "kwargs": {"clip_epsilon": (0.2, 0.28)}},
+    "cispo no entropy": {"name": "cispo", "kwargs": {"entropy_bonus": False}},
+}
+
+
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_loss_terms_and_gradients_match_dense(learner, batch, loss_name):
+    section = LossSection(name=LOSSES[loss_name]["name"], kwargs=LOSSES[loss_name]["kwargs"])
+    loss = build_loss(section, learner.policy)
+    want_terms, want_grads = loss_and_grads(learner, loss, batch, 0)
+    assert want_terms["loss_objective"].isfinite()
+    for chunk_size in CHUNK_SIZES:
+        terms, grads = loss_and_grads(learner, loss, batch, chunk_size)
+        assert_close_dicts(terms, want_terms)
+        assert_close_dicts(grads, want_grads)
+
+
+def test_three_updates_end_at_the_same_weights():
+    runs = {}
+    for chunk_size in (0, 7):
+        learner = LocalLearner(tiny_config(learner={"logprob_chunk_size": chunk_size}))
+        assert learner.policy.logprob_chunk_size == chunk_size
+        metrics = [dict(learner.update(b).items()) for b in batches(3)]
+        runs[chunk_size] = (metrics, dict(learner.get_weights(dtype=torch.float32).items()))
+    (dense_metrics, dense_weights), (metrics, weights) = runs[0], runs[7]
+    for got, want in zip(metrics, dense_metrics, strict=True):
+        assert_close_dicts(got, want)
+    assert_close_dicts(weights, dense_weights)
+
+
+def test_config_accepts_and_validates_logprob_chunk_size():
+    assert tiny_config().learner.logprob_chunk_size == 0
+    assert tiny_config(learner={"logprob_chunk_size": 512}).learner.logprob_chunk_size == 512
+    with pytest.raises(ConfigError, match=r"\[learner\] logprob_chunk_size: -1 is out of range"):
+        tiny_config(learner={"logprob_chunk_size": -1})
+    with pytest.raises(ConfigError, match=r"\[learner\] logprob_chunk_size: expected an integer"):
+        tiny_config(learner={"logprob_chunk_size": "big"})
+    with pytest.raises(ValueError, match="logprob_chunk_size must be >= 0"):
+        TitanPolicy(torch.nn.Linear(1, 1), logprob_chunk_size=-1)
+
+
+def dense_and_chunked(learner, batch, mask, chunk_size=5, compute_entropy=True):
+    """The dense LLMMaskedCategorical and the chunked distribution over the same positions."""
+    policy = learner.policy
+    dense = policy._get_dist_with_custom_mask(batch, mask)
+    policy.logprob_chunk_size, policy.compute_entropy = chunk_size, compute_entropy
+    try:
+        chunked = policy._get_dist_with_custom_mask(batch, mask)
+    finally:
+        policy.logprob_chunk_size, policy.compute_entropy = 0, True
+    assert isinstance(chunked, ChunkedTokenCategorical)
+    return dense, chunked
+
+
+def test_distribution_answers_like_the_dense_one(learner, batch):
+    """Other tokens, lazily computed entropy, ignore_index, sampling shapes and ranges."""
+    mask = batch.get(ATTENTION_MASK_KEY)  # includes each row's first token: the uniform case
+    tokens = batch.get(TOKENS_KEY)
+    with torch.no_grad():
+        dense, chunked = dense_and_chunked(learner, batch, mask, compute_entropy=False)
+        torch.testing.assert_close(chunked.mask, dense.mask)
+        assert chunked.batch_shape == dense.batch_shape
+        assert chunked.position_level_masking and chunked._position_level_masking
+        others = (tokens + 3) % VOCAB
+        others[:, -1] = -100
+        for value in (tokens, others):
+            torch.testing.assert_close(
+                chunked.log_prob(value), dense.log_prob(value), atol=TOL, rtol=0
+            )
+        stacked = torch.stack([dense.log_prob(tokens), dense.log_prob(others)])
+        torch.testing.assert_close(chunked.log_prob(torch.stack([tokens, others])), stacked)
+        torch.testing.assert_close(chunked.entropy(), dense.entropy(), atol=TOL, rtol=0)
+        first = chunked.log_prob(tokens)[torch.arange(len(mask)), mask.int().argmax(1)]
+        torch.testing.assert_close(first, torch.full_like(first, -math.log(VOCAB)))
+        drawn, log_prob = sample_and_log_prob(chunked, (3,))
+    assert drawn.shape == (3, *mask.shape) and log_prob.shape == (3, *mask.shape)
+    assert (drawn[:, ~mask] == -100).all()
+    assert ((drawn[:, mask] >= 0) & (drawn[:, mask] < VOCAB)).all()
+    assert log_prob.isfinite().all() and (log_prob[:, ~mask] == 0).all()
+
+
+def test_lm_head_sees_one_chunk_at_a_time(learner, batch):
+    """Forward and backward (recompute) call the lm_head on at most `chunk_size` positions."""
+    rows = []
+    handle = learner.model.lm_head.register_forward_hook(
+        lambda module, args, out: rows.append(out.shape[0])
+    )
+    loss = build_loss(LossSection(), learner.policy)
+    try:
+        learner.policy.logprob_chunk_size = 7
+        out = loss(batch.clone())
+        calls_forward = len(rows)
+        (out.get("loss_objective") + out.get("loss_entropy")).backward()
+    finally:
+        handle.remove()
+        learner.policy.logprob_chunk_size = 0
+        learner.model.zero_grad(set_to_none=True)
+    chunks = math.ceil(SCORED / 7)
+    assert calls_forward == chunks and len(rows) == 2 * chunks
+    assert max(rows) == 7 and sum(rows) == 2 * SCORED
+
+
+def test_chunked_token_stats_against_log_softmax():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 6, generator=generator, requires_grad=True)
+    head = torch.nn.Linear(6, 9, bias=False)
+    targets = torch.randint(0, 9, (11, 2), generator=generator)
+    token, entropy = chunked_token_stats(hidden, targets, head, chunk_size=4, with_entropy=True)
+    log_probs = head(hidden).log_softmax(-1)
+    torch.testing.assert_close(token, log_probs.gather(-1, targets))
+    torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1))
+    empty, _ = chunked_token_stats(hidden[:0], targets[:0], head, 4, with_entropy=False)
+    assert empty.shape == (0, 2) and empty.requires_grad
+
+
+@pytest.mark.slow
+def test_sharded_chunked_learners_match_dense_local():
+    """FSDP (lm_head called per chunk through its hooks) and TP (vocab-sharded chunks)."""
+    chunked = {"learner": {"logprob_chunk_size": 5}}
+    layouts = {
+        "dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}, **chunked}},
+        "tp=2": {"sections": {"parallelism": {"tp": 2, "dp_shard": 1}, **chunked}},
+    }
+    rank0, _ = run_world(2, run_layouts, layouts)
+    local = LocalLearner(tiny_config())
+    want = [dict(local.update(b).items()) for b in batches(3)]
+    want_weights = dict(local.get_weights(dtype=torch.float32).items())
+    for layout in layouts:
+        for got, expected in zip(rank0[layout]["metrics"], want, strict=True):
+            for key in ("loss_objective", "loss_entropy", "grad_norm"):
+                assert got[key] == pytest.approx(float(expected[key]), abs=TOL), (layout, key)
+        assert_close_dicts(rank0[layout]["weights"], want_weights)

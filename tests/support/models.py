@@ -1,0 +1,40 @@
+"""Shared test fixtures in plain functions: the tiny model config and the synthetic batches."""
+
+from __future__ import annotations
+
+import torch
+
+from titan_learner.config.schema import Config
+from titan_learner.config.toml import config_from_dict
+from titan_learner.learner.batch import synthetic_batch
+
+VOCAB = 32
+SEQ_LEN = 16
+GLOBAL_BATCH = 8
+
+
+def tiny_config(name: str = "llama3", **sections: dict) -> Config:
+    """A 2-layer, dim-64 model with GQA (4 heads, 2 KV heads), so tp=2 divides everything."""
+    overrides = {
+        "vocab_size": VOCAB,
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "hidden_dim": 128,
+    }
+    if name == "qwen3":
+        overrides["head_dim"] = 16
+    data = {
+        "model": {"name": name, "overrides": overrides},
+        "optimizer": {"lr": 1e-3},
+        "run": {"seed": 0},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return config_from_dict(data, source="tests")
+
+
+def batches(steps: int, batch_size: int = GLOBAL_BATCH, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [synthetic_batch(batch_size, SEQ_LEN, VOCAB, generator) for _ in range(steps)]

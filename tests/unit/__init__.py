@@ -1,0 +1,1 @@
+"""One-process tests: config, CLI, batch format, learner contract, weights and sinks, generators."""

@@ -1,0 +1,90 @@
+"""Telemetry writes every step to the console, metrics.jsonl and TensorBoard, and plots on close."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from titan_learner.job.telemetry import Telemetry
+
+
+def _metrics(step: int) -> dict[str, float]:
+    return {
+        "reward_mean": 0.1 * step,
+        "reward_min": 0.1 * step - 0.05,
+        "reward_max": 0.1 * step + 0.05,
+        "loss_objective": 1.0 / step,
+        "loss_kl_to_ref": 0.01 * step,
+        "grad_norm": 2.0 + step,
+        "rollout_s": 1.23456,
+    }
+
+
+def _log_steps(telemetry: Telemetry, steps: range) -> None:
+    for step in steps:
+        telemetry.log(step, _metrics(step))
+
+
+def _jsonl(output_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tensorboard_scalars(output_dir: Path, tag: str) -> list[tuple[int, float]]:
+    accumulator = EventAccumulator(str(output_dir / "tensorboard"))
+    accumulator.Reload()
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def test_logs_every_step_everywhere_and_plots_on_close(tmp_path: Path, capsys) -> None:
+    telemetry = Telemetry(tmp_path, total_steps=3, progress=False)
+    _log_steps(telemetry, range(1, 4))
+
+    records = _jsonl(tmp_path)  # readable before close: every line is flushed
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert set(records[0]) == {"step"} | {f"training/{k}" for k in _metrics(1)}
+    assert records[1]["training/reward_mean"] == 0.2
+
+    png = telemetry.close()
+    assert png == tmp_path / "curves.png"
+    assert png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    scalars = _tensorboard_scalars(tmp_path, "training/reward_mean")
+    assert [step for step, _ in scalars] == [1, 2, 3]
+    assert [value for _, value in scalars] == pytest.approx([0.1, 0.2, 0.3])  # float32 in TB
+
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith("step 2/3")
+    assert "reward_mean=0.2" in lines[1]
+    assert "rollout_s=1.235" in lines[1]  # 4 significant digits
+
+
+def test_resume_drops_later_steps_and_appends(tmp_path: Path) -> None:
+    first = Telemetry(tmp_path, total_steps=6, progress=False)
+    _log_steps(first, range(1, 5))
+    first.close()
+
+    resumed = Telemetry(tmp_path, total_steps=6, progress=False, start_step=2)
+    assert [r["step"] for r in _jsonl(tmp_path)] == [1, 2]
+    _log_steps(resumed, range(3, 7))
+    assert resumed.close().exists()
+
+    assert [r["step"] for r in _jsonl(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    steps = [step for step, _ in _tensorboard_scalars(tmp_path, "training/reward_mean")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_disabled_records_nothing(tmp_path: Path, capsys) -> None:
+    telemetry = Telemetry.disabled()
+    telemetry.log(1, _metrics(1))
+    assert telemetry.close() is None
+
+    off = Telemetry(tmp_path / "run", total_steps=1, enabled=False)
+    off.log(1, _metrics(1))
+    assert off.close() is None
+    assert not (tmp_path / "run").exists()
+    assert capsys.readouterr().out == ""

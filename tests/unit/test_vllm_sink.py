@@ -1,0 +1,500 @@
+"""The vLLM sinks (titan_learner.weights.vllm).
+
+On CPU: argument checks, the engine metadata, dtype casting, manifest verification, and the flat
+mapping handed to a real TorchRL sender (`VLLMDoubleBufferWeightSender`, the same
+`update_weights(weights)` contract as the NCCL `VLLMWeightSender`, writing to a directory this
+test reads back with TorchRL's own transport), plus the failure path of a real, un-joined NCCL
+`VLLMWeightSender`. The worker extension's stage / verify / swap runs on CPU workers whose
+"model" loads HF-named tensors into a transformers model (what vLLM's `model.load_weights`
+does, without fusing or TP slicing), reached through an in-process stand-in for vLLM's
+`collective_rpc` dispatch (an RPC by method name; no collective is involved).
+
+With CUDA and vllm: end to end into a real `vllm.LLM` (VLLMRPCSink), and, with ray and two GPUs,
+into a TorchRL `AsyncVLLM` over NCCL (VLLMSink); skipped otherwise, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torchrl.weight_update.llm import VLLMDoubleBufferSyncScheme, VLLMWeightSyncScheme
+from torchrl.weight_update.weight_sync_schemes import WeightStrategy
+from transformers import AutoModelForCausalLM
+
+from tests.support.models import VOCAB, batches, tiny_config
+from titan_learner.learner.local import LocalLearner
+from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
+from titan_learner.weights.matching import WeightsError
+from titan_learner.weights.sinks import SafetensorsDirSink, push_weights
+from titan_learner.weights.vllm import (
+    WORKER_EXTENSION,
+    VLLMRPCSink,
+    VLLMSink,
+    VLLMSinkWorkerExtension,
+    check_engine_dtype,
+    engine_metadata,
+    engine_weights,
+)
+
+F32, BF16 = torch.float32, torch.bfloat16
+BUCKET = 16 * 1024
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def trained(request):
+    """A learner after one GRPO update; qwen3 ties lm_head to embed_tokens."""
+    learner = LocalLearner(tiny_config(request.param))
+    learner.update(batches(1)[0])
+    return learner
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(7))
+
+
+def learner_logits(learner, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return learner.model(x.to(learner.device)).float().cpu()
+
+
+def hf_model(learner, seed: int = 123) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(hf_config(learner.spec), dtype=F32).eval()
+
+
+def double_buffer(tmp_path):
+    """A real TorchRL vLLM sender that runs on CPU: it writes the mapping it is handed with
+    TensorDict.memmap, and the scheme's transport reads it back."""
+    scheme = VLLMDoubleBufferSyncScheme(
+        remote_addr=str(tmp_path / "weights"), strategy="state_dict"
+    )
+    sender = scheme.create_sender()
+    sender.register_model(torch.nn.Module())  # creates the transport; weights are always passed
+    return sender, scheme.create_transport()
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata, dtypes, argument checks
+
+
+def test_engine_metadata_is_every_parameter_once_in_the_engine_dtype(trained):
+    config = hf_config(trained.spec)
+    metadata = engine_metadata(config, BF16)
+    shapes, required = hf_parameter_shapes(config)
+    assert list(metadata) == required
+    assert all(dtype == BF16 and shape == shapes[n] for n, (dtype, shape) in metadata.items())
+    exported = set(trained.get_weights().keys())
+    if config.tie_word_embeddings:
+        assert exported - set(metadata) == {"lm_head.weight"}, "the tied alias is not loaded"
+    else:
+        assert exported == set(metadata)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "error", "message"),
+    [
+        ("bfloat16", TypeError, "must be a torch.dtype"),
+        (torch.int8, ValueError, "not an engine dtype"),
+        (torch.float64, ValueError, "allowed: torch.bfloat16, torch.float16, torch.float32"),
+    ],
+)
+def test_engine_dtype_is_checked(dtype, error, message):
+    with pytest.raises(error, match=message):
+        check_engine_dtype(dtype)
+    with pytest.raises(error, match=message):
+        engine_metadata(hf_config(LocalLearner(tiny_config()).spec), dtype)
+
+
+def test_sink_arguments_are_checked(tmp_path):
+    sender, _ = double_buffer(tmp_path)
+    good = {"model.norm.weight": (BF16, torch.Size([64]))}
+    with pytest.raises(TypeError, match="TorchRL weight sender with update_weights"):
+        VLLMSink(object(), good)
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        VLLMSink(sender, {})
+    with pytest.raises(ValueError, match=r"must be \(dtype, shape\)"):
+        VLLMSink(sender, {"model.norm.weight": BF16})
+    with pytest.raises(ValueError, match="not an engine dtype"):
+        VLLMSink(sender, {"model.norm.weight": (torch.int64, (64,))})
+    with pytest.raises(TypeError, match="must have collective_rpc"):
+        VLLMRPCSink(object())
+
+
+def test_sink_calls_out_of_order_are_refused(tmp_path):
+    sender, _ = double_buffer(tmp_path)
+    sink = VLLMSink(sender, {"model.norm.weight": (BF16, torch.Size([64]))})
+    with pytest.raises(WeightsError, match=r"write\(\) before begin\(\)"):
+        sink.write([])
+    with pytest.raises(WeightsError, match=r"commit\(\) before begin\(\)"):
+        sink.commit(None)
+    sink.begin(3)
+    sink.abort()
+    with pytest.raises(WeightsError, match=r"commit\(\) before begin\(\)"):
+        sink.commit(None)
+    assert sink.version is None and not (tmp_path / "weights").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# VLLMSink: the flat mapping handed to TorchRL
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_the_mapping_handed_to_torchrl_is_the_export_cast_to_the_engine_dtype(
+    trained, tmp_path, dtype
+):
+    sender, transport = double_buffer(tmp_path)
+    metadata = engine_metadata(hf_config(trained.spec), dtype)
+    sink = VLLMSink(sender, metadata)
+    manifest = push_weights(trained, sink, bucket_bytes=BUCKET, dtype=F32)
+    assert sink.version == manifest.version == trained.policy_version == 1 and sink.consistent
+
+    received = dict(transport.receive_weights().items())
+    assert set(received) == set(metadata)
+    exported = dict(trained.get_weights(dtype=F32).items())
+    for name, (engine_dtype, shape) in metadata.items():
+        assert received[name].dtype == engine_dtype and received[name].shape == shape, name
+        assert torch.equal(received[name], exported[name].to(engine_dtype)), name
+
+    # the mapping is complete for the engine's model: loaded into transformers, it gives the
+    # learner's logits (exactly in float32; within bf16 rounding otherwise)
+    model = hf_model(trained)
+    result = model.load_state_dict({k: v.float() for k, v in received.items()}, strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= {"lm_head.weight"} & set(model.state_dict())
+    x = tokens()
+    with torch.no_grad():
+        atol = 1e-5 if dtype == F32 else 0.1
+        torch.testing.assert_close(model(x).logits, learner_logits(trained, x), atol=atol, rtol=0)
+
+
+def test_engine_weights_is_ordered_like_the_metadata_and_passed_through_by_torchrl(trained):
+    metadata = engine_metadata(hf_config(trained.spec), BF16)
+    exported = list(trained.get_weights(dtype=F32).items())
+    weights = engine_weights(reversed(exported), metadata)
+    assert list(weights) == list(metadata)  # the order VLLMCollectiveTransport broadcasts in
+    assert all(t.dtype == BF16 and t.is_contiguous() for t in weights.values())
+    # what VLLMWeightSender.update_weights does with a plain dict under strategy "state_dict"
+    assert WeightStrategy(extract_as="state_dict").extract_weights(weights) is weights
+    assert not hasattr(weights, "state_dict")  # so update_weights does not re-extract it
+
+
+def test_a_corrupted_or_incomplete_export_sends_nothing(trained, tmp_path):
+    sender, transport = double_buffer(tmp_path)
+    sink = VLLMSink(sender, engine_metadata(hf_config(trained.spec), F32))
+    push_weights(trained, sink, bucket_bytes=BUCKET, dtype=F32)
+    served = dict(transport.receive_weights().items())
+
+    export = trained.iter_weights(bucket_bytes=BUCKET, dtype=F32)
+    buckets = list(export)
+    corrupted = [list(bucket) for bucket in buckets]
+    name, tensor = corrupted[0][0]
+    corrupted[0][0] = (name, tensor + 1e-3)
+    for bad, message in ((corrupted, "checksum mismatch"), (buckets[1:], "incomplete: missing")):
+        sink.begin(export.manifest.version)
+        for bucket in bad:
+            sink.write(bucket)
+        with pytest.raises(WeightsError, match=message):
+            sink.commit(export.manifest)
+        assert sink.version == export.manifest.version and sink.consistent
+    after = dict(transport.receive_weights().items())
+    assert all(torch.equal(after[k], served[k]) for k in served), "nothing reached TorchRL"
+
+
+def test_an_export_that_does_not_fit_the_engine_is_rejected_before_sending(trained, tmp_path):
+    other = "qwen3" if trained.spec.name == "llama3" else "llama3"
+    sender, _ = double_buffer(tmp_path)
+    sink = VLLMSink(sender, engine_metadata(hf_config(LocalLearner(tiny_config(other)).spec), F32))
+    with pytest.raises(WeightsError, match="does not match the engine, nothing was sent"):
+        push_weights(trained, sink, bucket_bytes=BUCKET, dtype=F32)
+    assert sink.version is None and not (tmp_path / "weights").exists()
+
+    metadata = engine_metadata(hf_config(trained.spec), F32)
+    dtype, shape = metadata["model.norm.weight"]
+    metadata["model.norm.weight"] = (dtype, torch.Size([shape[0] + 1]))
+    named = list(trained.get_weights(dtype=F32).items())
+    with pytest.raises(WeightsError, match=r"wrong shapes: model.norm.weight: got \(64,\)"):
+        engine_weights(named, metadata)
+
+
+def test_a_tied_alias_must_agree_with_its_parameter():
+    learner = LocalLearner(tiny_config("qwen3"))
+    metadata = engine_metadata(hf_config(learner.spec), F32)
+    named = dict(learner.get_weights(dtype=F32).items())
+    assert "lm_head.weight" in named and "lm_head.weight" not in metadata
+    assert "lm_head.weight" not in engine_weights(named.items(), metadata)
+    named["lm_head.weight"] = named["lm_head.weight"] + 1
+    with pytest.raises(WeightsError, match=r"lm_head\.weight is tied to model\.embed_tokens"):
+        engine_weights(named.items(), metadata)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_failing_torchrl_sender_marks_the_engine_inconsistent(trained):
+    """TorchRL's real NCCL sender, never joined to an engine: its update_weights raises. The sink
+    cannot tell how far a broadcast got, so it reports the engine's weights as unknown."""
+    scheme = VLLMWeightSyncScheme(master_port=_free_port(), strategy="state_dict")
+    sink = VLLMSink(scheme.create_sender(), engine_metadata(hf_config(trained.spec), BF16))
+    with pytest.raises(WeightsError, match="may hold a mix of vNone and v1") as info:
+        push_weights(trained, sink, bucket_bytes=BUCKET, dtype=BF16)
+    assert "Transport not initialized" in str(info.value)
+    assert sink.version is None and not sink.consistent
+
+
+# ---------------------------------------------------------------------------------------------
+# VLLMRPCSink and the worker extension, on CPU workers
+
+
+class HFLoader:
+    """Stands in for vLLM's model inside a worker: `load_weights` of HF-named tensors, cast to
+    the model's dtype (vLLM's default weight loader, without fused layers or TP slicing)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.targets = dict(model.state_dict(keep_vars=True))
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            self.targets[name].copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class CPUWorker(VLLMSinkWorkerExtension):
+    """What vLLM mixes the extension into: a worker with `device` and `model_runner.model`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.device = torch.device("cpu")
+        self.model_runner = SimpleNamespace(model=HFLoader(model))
+
+
+class InProcessRPC:
+    """vLLM's `LLM.collective_rpc` dispatch, in this process: call `method` by name on every
+    worker and return their results. Each worker gets its own copy of the tensors (vLLM
+    serializes them); `tamper` may alter one worker's copy in transit."""
+
+    def __init__(self, workers, tamper=None) -> None:
+        self.workers = workers
+        self.tamper = tamper
+        self.prefix_cache_resets = 0
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        results = []
+        for rank, worker in enumerate(self.workers):
+            copied = tuple(
+                [(n, t.clone()) for n, t in a] if isinstance(a, list) else a for a in args
+            )
+            if self.tamper is not None:
+                copied = self.tamper(rank, method, copied)
+            results.append(getattr(worker, method)(*copied))
+        return results
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_cache_resets += 1
+
+
+def test_rpc_sink_loads_verified_weights_on_every_worker(trained):
+    models = [hf_model(trained, seed=1), hf_model(trained, seed=2)]  # tensor-parallel ranks
+    engine = InProcessRPC([CPUWorker(m) for m in models])
+    sink = VLLMRPCSink(engine)
+    manifest = push_weights(trained, sink, bucket_bytes=BUCKET, dtype=F32)
+    assert sink.version == manifest.version == 1 and sink.consistent
+    assert engine.collective_rpc("titan_version") == [1, 1]
+    assert engine.prefix_cache_resets == 1
+    assert all(w._titan_staged is None for w in engine.workers), "staged copies are dropped"
+    x = tokens()
+    for model in models:
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model(x).logits, learner_logits(trained, x), atol=1e-5, rtol=0
+            )
+
+
+def test_rpc_sink_swaps_nothing_when_one_worker_received_bad_bytes(trained):
+    def flip_one_value_for_rank_1(rank, method, args):
+        if rank == 1 and method == "titan_stage":
+            _version, bucket = args
+            bucket[0][1].view(-1)[0] += 1.0
+        return args
+
+    models = [hf_model(trained, seed=1), hf_model(trained, seed=2)]
+    engine = InProcessRPC([CPUWorker(m) for m in models], tamper=flip_one_value_for_rank_1)
+    before = [state(m) for m in models]
+    sink = VLLMRPCSink(engine)
+    with pytest.raises(
+        WeightsError,
+        match=r"worker 1 rejected export v1 \(1 of 2 workers did\), nothing was swapped: .*"
+        "checksum mismatch",
+    ):
+        push_weights(trained, sink, bucket_bytes=BUCKET, dtype=F32)
+    for model, previous in zip(models, before, strict=True):
+        assert all(torch.equal(t, previous[n]) for n, t in model.state_dict().items())
+    assert engine.collective_rpc("titan_version") == [None, None]
+    assert all(w._titan_staged is None for w in engine.workers)
+    assert sink.version is None and sink.consistent and engine.prefix_cache_resets == 0
+
+
+def test_worker_extension_refuses_to_swap_an_unverified_export(trained):
+    worker = CPUWorker(hf_model(trained))
+    named = list(trained.get_weights(dtype=F32).items())
+    with pytest.raises(RuntimeError, match=r"titan_stage\(v2\) without titan_begin\(v2\)"):
+        worker.titan_stage(2, named)
+    worker.titan_begin(2)
+    worker.titan_stage(2, named)
+    with pytest.raises(RuntimeError, match="was not verified here"):
+        worker.titan_swap(2)
+    export = trained.iter_weights(dtype=F32)
+    list(export)
+    manifest = {**vars(export.manifest), "version": 3}
+    assert worker.titan_verify(manifest) == "no staged export v3 on this worker"
+    worker.titan_drop()
+    with pytest.raises(RuntimeError, match="was not verified here"):
+        worker.titan_swap(2)
+
+
+def test_rpc_sink_abort_drops_the_staged_export(trained):
+    engine = InProcessRPC([CPUWorker(hf_model(trained))])
+    sink = VLLMRPCSink(engine)
+    sink.begin(1)
+    sink.write(list(trained.get_weights(dtype=F32).items())[:3])
+    assert len(engine.workers[0]._titan_staged) == 3
+    sink.abort()
+    assert engine.workers[0]._titan_staged is None
+    with pytest.raises(WeightsError, match=r"write\(\) before begin\(\)"):
+        sink.write([])
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on a GPU
+
+
+HAS_VLLM = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+NO_VLLM = "needs CUDA and the vllm package" + (
+    "" if torch.cuda.is_available() else " (no CUDA here)"
+)
+HAS_NCCL_SETUP = (
+    HAS_VLLM and importlib.util.find_spec("ray") is not None and torch.cuda.device_count() >= 2
+)
+NO_NCCL_SETUP = (
+    "needs CUDA, vllm >= 0.17, ray and 2 GPUs (the trainer's NCCL rank and the engine's "
+    "worker must sit on different GPUs)"
+)
+
+
+def prompt_log_probs(outputs, x: torch.Tensor) -> torch.Tensor:
+    """`[B, T-1]`: the engine's log-prob of each prompt token after the first."""
+    return torch.tensor(
+        [
+            [out.prompt_logprobs[t][tok].logprob for t, tok in enumerate(row) if t > 0]
+            for out, row in zip(outputs, x.tolist(), strict=True)
+        ]
+    )
+
+
+def reference_log_probs(learner, x: torch.Tensor) -> torch.Tensor:
+    log_probs = torch.log_softmax(learner_logits(learner, x)[:, :-1], dim=-1)
+    return log_probs.gather(-1, x[:, 1:, None])[..., 0]
+
+
+def prompt_params():
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+
+
+def prompts(x: torch.Tensor):
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=row) for row in x.tolist()]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)
+def test_rpc_sink_end_to_end_into_a_vllm_engine(tmp_path):
+    import vllm
+
+    learner = LocalLearner(tiny_config("llama3"))
+    config = hf_config(learner.spec)
+    push_weights(learner, SafetensorsDirSink(tmp_path / "policy", config), BUCKET, dtype=F32)
+    llm = vllm.LLM(
+        model=str(tmp_path / "policy"),
+        dtype=torch.float32,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        skip_tokenizer_init=True,
+        seed=0,
+        logprobs_mode="raw_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    x = tokens()
+
+    def served() -> torch.Tensor:
+        return prompt_log_probs(llm.generate(prompts(x), prompt_params(), use_tqdm=False), x)
+
+    torch.testing.assert_close(served(), reference_log_probs(learner, x), atol=1e-3, rtol=0)
+
+    learner.update(batches(1)[0])
+    sink = VLLMRPCSink(llm)
+    manifest = push_weights(learner, sink, bucket_bytes=BUCKET, dtype=F32)
+    assert sink.version == manifest.version == 1
+    assert set(llm.collective_rpc("titan_version")) == {1}
+    after = served()
+    torch.testing.assert_close(after, reference_log_probs(learner, x), atol=1e-3, rtol=0)
+
+    class Corrupting(VLLMRPCSink):
+        def write(self, bucket):
+            super().write([(n, t + 1e-3) for n, t in bucket])
+
+    learner.update(batches(2)[1])
+    with pytest.raises(WeightsError, match=r"rejected export v2 .*checksum mismatch"):
+        push_weights(learner, Corrupting(llm), bucket_bytes=BUCKET, dtype=F32)
+    assert set(llm.collective_rpc("titan_version")) == {1}
+    torch.testing.assert_close(served(), after, atol=1e-6, rtol=0)  # still v1
+
+
+@pytest.mark.skipif(not HAS_NCCL_SETUP, reason=NO_NCCL_SETUP)
+def test_vllm_sink_end_to_end_through_torchrl_nccl(tmp_path):
+    import ray
+    from torchrl.modules.llm import AsyncVLLM
+
+    trainer_gpu = torch.cuda.device_count() - 1
+    if not ray.is_initialized():
+        ray.init(num_gpus=trainer_gpu)  # Ray places the engine on GPUs 0.. trainer_gpu - 1
+    learner = LocalLearner(tiny_config("llama3"))
+    config = hf_config(learner.spec)
+    push_weights(learner, SafetensorsDirSink(tmp_path / "policy", config), BUCKET, dtype=F32)
+    engine = AsyncVLLM.from_pretrained(
+        str(tmp_path / "policy"),
+        num_devices=1,
+        compile=False,
+        verbose=False,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        skip_tokenizer_init=True,
+    )
+    try:
+        sink = VLLMSink.for_async_vllm(engine, config, torch.float32, device=trainer_gpu)
+        learner.update(batches(1)[0])
+        manifest = push_weights(learner, sink, bucket_bytes=BUCKET, dtype=F32)
+        assert sink.version == manifest.version == 1 and sink.consistent
+        x = tokens()
+        outputs = engine.generate(prompts(x), prompt_params())
+        torch.testing.assert_close(
+            prompt_log_probs(outputs, x), reference_log_probs(learner, x), atol=1e-3, rtol=0
+        )
+    finally:
+        engine.shutdown()

@@ -1,0 +1,226 @@
+"""`python -m titan_learner export`: a DCP checkpoint as a Hugging Face model directory.
+
+    python -m titan_learner export --checkpoint DIR --out HF_DIR [--dtype bf16] [--config FILE]
+                                   [--step N]
+
+The checkpoint is loaded into a one-process `LocalLearner` on CPU (DCP reshards whatever layout
+saved it into the plain model), its weights leave through `get_weights` (TorchTitan's state-dict
+adapter: Hugging Face names, llama3's rotary permutation), and a transformers model built from
+`hf_config(learner.spec)` takes them strictly and writes `save_pretrained`: safetensors,
+config.json and generation_config.json. transformers then loads the directory with the logits
+the learner computes. When the run started from a Hugging Face model (`[model] hf_checkpoint`)
+and that directory is on this machine, its tokenizer files, generation config and special token
+ids go along; otherwise no token ids are claimed (the checkpoint does not know them).
+
+Which model a checkpoint holds comes from `<checkpoint root>/config.toml` (written next to the
+checkpoints by `save_resolved_config`), or from `--config`.
+
+Nothing half-written is left behind: the files go to a hidden sibling directory that is renamed
+to the output directory only once complete; an existing non-empty output directory is refused.
+
+Cost: the learner holds the model (fp32) and its optimizer state in CPU memory, plus one copy of
+the exported weights; initial weights are a random init (never the `hf_checkpoint`, which the
+checkpoint replaces anyway and which need not exist on the exporting machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from titan_learner.checkpoint.errors import CheckpointError
+from titan_learner.checkpoint.layout import LATEST, METADATA, resolve
+from titan_learner.config.schema import Config
+from titan_learner.config.toml import RESOLVED_CONFIG, load_config
+from titan_learner.dtypes import parse_dtype
+
+__all__ = ["ExportError", "export_checkpoint"]
+
+# Files of the base model (`[model] hf_checkpoint`) that describe the export too: the tokenizer
+# and the generation defaults. Copied when that directory exists on the exporting machine.
+BASE_MODEL_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+# Warnings of a resume that mean nothing to an export: RNG states, a mid-window checkpoint, and
+# TorchTitan's LR scheduler load_state_dict calling get_lr() (torch warns on every load).
+_IRRELEVANT_WARNINGS = (
+    "RNG states not restored",
+    "checkpoint was taken",
+    "To get the last learning rate computed by the scheduler",
+)
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be done as asked: what is wrong and what is allowed."""
+
+
+def export_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    config: Config | str | os.PathLike | None = None,
+    step: int | None = None,
+) -> Path:
+    """Write the checkpoint as a Hugging Face model directory `out_dir`; return its path.
+
+    checkpoint_dir: a checkpoint root (loads what `latest` names, or `step`) or a step directory.
+    dtype: of the written tensors (bf16, fp16, fp32 and their long names); None: the config's
+    `[learner] export_dtype`.
+    config: a Config or a TOML file; None reads `config.toml` of the checkpoint root.
+    Raises ConfigError, CheckpointError or ExportError with one clear message on bad input,
+    before any output exists. The caller's torch RNG state is left as it was.
+    """
+    out = Path(out_dir)
+    torch_dtype = parse_dtype(dtype) if dtype is not None else None
+    _check_out_dir(out)
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {checkpoint_dir} not found")
+    resolve(checkpoint_dir, step)  # no checkpoint, an uncommitted one, no metadata: say so now
+    config = _resolve_config(checkpoint_dir, config)
+    if torch_dtype is None:
+        torch_dtype = parse_dtype(config.learner.export_dtype)
+
+    from titan_learner.learner.local import LocalLearner
+
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        for message in _IRRELEVANT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        learner = LocalLearner(_for_export(config), device="cpu")
+        learner.load(checkpoint_dir, step=step)
+        weights = dict(learner.get_weights(dtype=torch_dtype).items())
+        spec = learner.spec
+        del learner
+    base = config.model.hf_checkpoint
+    base = Path(base) if base and Path(base).is_dir() else None
+    with _staging(out) as staging:
+        _write_hf(spec, weights, torch_dtype, staging, base)
+    return out
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"output {out} exists and is not a directory; allowed: a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ExportError(
+            f"output directory {out} is not empty; refusing to overwrite it. Allowed: a new or "
+            "empty directory"
+        )
+
+
+def _resolve_config(checkpoint_dir: Path, config: Config | str | os.PathLike | None) -> Config:
+    """The given config, else `config.toml` of the checkpoint root (the parent of a step dir)."""
+    if isinstance(config, Config):
+        return config
+    if config is not None:
+        return load_config(config)
+    candidates = [checkpoint_dir / RESOLVED_CONFIG]
+    is_step_dir = (checkpoint_dir / METADATA).is_file() and not (checkpoint_dir / LATEST).exists()
+    if is_step_dir:
+        candidates.append(checkpoint_dir.parent / RESOLVED_CONFIG)
+    for path in candidates:
+        if path.is_file():
+            return load_config(path)
+    raise ExportError(
+        f"no config for checkpoint {checkpoint_dir}: {' or '.join(map(str, candidates))} not "
+        "found (it says which model the checkpoint holds; Learner.save writes it); allowed: "
+        "pass --config FILE, the TOML file the run was trained with"
+    )
+
+
+def _for_export(config: Config) -> Config:
+    """The run's model on CPU: attention the CPU has (the weights do not depend on it), and a
+    random start instead of `hf_checkpoint` (the checkpoint replaces every weight)."""
+    model = dataclasses.replace(config.model, hf_checkpoint=None, attention="auto")
+    learner = dataclasses.replace(config.learner, device="cpu")
+    return dataclasses.replace(config, model=model, learner=learner)
+
+
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A hidden sibling directory, renamed onto `out` when the block succeeds, removed if not."""
+    staging = out.parent / f".{out.name}.export-{os.getpid()}.tmp"
+    try:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        yield staging
+        try:
+            os.replace(staging, out)  # onto a missing or empty directory: atomic on POSIX
+        except OSError as err:
+            raise ExportError(
+                f"cannot move the export into {out}: {err.strerror} (it was filled or created "
+                "while exporting?); nothing was written there"
+            ) from None
+    except OSError as err:
+        raise ExportError(f"cannot write the export next to {out}: {err}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_hf(
+    spec, weights: dict[str, torch.Tensor], dtype: torch.dtype, directory: Path, base: Path | None
+) -> None:
+    """A transformers model of exactly `spec`, loaded strictly with `weights`, saved to disk.
+
+    Built on the meta device (no random init of a second full model) and given the exported
+    tensors themselves; non-persistent buffers (RoPE frequencies) stay unallocated, which
+    `save_pretrained` never writes. Special token ids come from the base model's config.json,
+    else none are claimed (transformers' defaults, e.g. Llama's eos 2, would be made up), and the
+    base model's tokenizer and generation config are copied alongside when it is here.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from titan_learner.model.hf_config import hf_config
+
+    config = hf_config(spec)
+    ids = _special_token_ids(base)
+    for key in SPECIAL_TOKEN_IDS:
+        setattr(config, key, ids.get(key))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(weights, strict=True, assign=True)
+    unloaded = sorted(k for k, v in model.state_dict().items() if v.is_meta)
+    if unloaded:
+        raise ExportError(f"the exported weights left {unloaded[:5]} unset in the HF model")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(directory)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    for name in BASE_MODEL_FILES if base is not None else ():
+        if (base / name).is_file():
+            shutil.copyfile(base / name, directory / name)
+
+
+def _special_token_ids(base: Path | None) -> dict:
+    """bos/eos/pad token ids of the base model's config.json ({} without one)."""
+    if base is None or not (base / "config.json").is_file():
+        return {}
+    try:
+        data = json.loads((base / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ExportError(f"cannot read {base / 'config.json'}: {err}") from None
+    return {key: data.get(key) for key in SPECIAL_TOKEN_IDS}

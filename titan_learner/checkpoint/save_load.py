@@ -1,0 +1,271 @@
+"""Sharded DCP checkpoints of a Learner: atomic, resumable on the same or another layout.
+
+On disk, under one checkpoint root directory:
+
+    <root>/step-<N>/       a committed checkpoint (DCP: `.metadata` + `__<rank>_<i>.distcp`)
+    <root>/step-<N>.tmp/   a save in progress, or one that died mid-way: never loaded
+    <root>/latest          the name of the newest committed step directory, written last
+
+`save` and `load` are collectives: every rank calls them, in the same order. Each rank writes and
+reads only its own shards; DCP reshards on load, so a checkpoint written at dp_shard=4 loads at
+dp_shard=2 x tp=2, or into a one-process `LocalLearner` as plain tensors.
+
+What is saved is `Learner.checkpoint()` (model and optimizer shards, LR scheduler, stepper
+counters, loss-owned parameters and buffers, step, policy version) plus each rank's RNG states.
+
+Loading runs no pickled code (see `titan_learner.checkpoint.safe_read`).
+
+The module imports torch.distributed.checkpoint at import time; the Learner imports this module
+lazily, so DCP stays out of the import path of code that never checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from titan_learner.checkpoint import async_save
+from titan_learner.checkpoint.agreement import (
+    checkpoint_group,
+    dcp_call,
+    everywhere,
+    join,
+    on_rank0,
+)
+from titan_learner.checkpoint.async_save import AlreadyStaged, SaveHandle, on_cpu, then_commit
+from titan_learner.checkpoint.errors import CheckpointError
+from titan_learner.checkpoint.layout import commit, prepare, step_dir, tmp_dir
+from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open_step
+from titan_learner.ranks import rank, world_size
+
+RNG_KEY = "rng"
+DEFAULT_TIMEOUT_S = 1800.0
+"""Long enough for the slowest rank's write of a large model: DCP's collectives wait for it."""
+
+
+class Checkpointable(Protocol):
+    """What save and load need of a learner (the Learner contract's state methods)."""
+
+    step: int
+
+    def checkpoint(self) -> dict[str, Any]: ...
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None: ...
+
+
+def _describe(shape: tuple[int, ...] | None) -> str:
+    return "a non-tensor value" if shape is None else f"shape {shape}"
+
+
+def _listed(title: str, items: list[str], limit: int = 8) -> str:
+    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return f"{len(items)} {title}: {', '.join(items[:limit])}{more}"
+
+
+def _check_fits(path: Path, state: dict[str, Any], metadata: Metadata) -> None:
+    """Compare what this learner will load with what the checkpoint holds, before reading.
+
+    Keys are DCP's flattened names (`model.<fqn>`, `optimizer.state.<fqn>.exp_avg`, ...); a
+    tensor is compared by its global shape, so any layout fits any other of the same model.
+    """
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    missing, mismatched = [], []
+    for key, value in flat.items():
+        entry = saved.get(key)
+        if entry is None:
+            missing.append(key)
+            continue
+        here = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        there = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        if here != there:
+            mismatched.append(f"{key} ({_describe(there)} saved, {_describe(here)} here)")
+    extra = sorted(k for k in saved if k not in flat and not k.startswith(f"{RNG_KEY}."))
+    if missing or mismatched or extra:
+        parts = [
+            _listed(title, items)
+            for title, items in (
+                ("mismatched", mismatched),
+                ("missing from the checkpoint", missing),
+                ("only in the checkpoint", extra),
+            )
+            if items
+        ]
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this learner (another model, loss or optimizer "
+            f"config?): {'; '.join(parts)}"
+        )
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _rank_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def _state(learner: Checkpointable) -> dict[str, Any]:
+    """`learner.checkpoint()` plus this rank's RNG states, under a key only this rank writes.
+
+    RNG states differ per rank; DCP would keep one copy of a key every rank saves, so each rank
+    saves `rng.rank<r>.<device>`.
+    """
+    state = learner.checkpoint()
+    if RNG_KEY in state:
+        raise CheckpointError(f"Learner.checkpoint() returned a '{RNG_KEY}' entry; it is reserved")
+    state[RNG_KEY] = {_rank_key(rank()): _rng_states()}
+    return state
+
+
+def _saved_ranks(metadata: Metadata) -> set[str]:
+    return {
+        key.split(".")[1] for key in metadata.state_dict_metadata if key.startswith(f"{RNG_KEY}.")
+    }
+
+
+def _template(learner: Checkpointable, metadata: Metadata) -> dict[str, Any]:
+    """What to load into: the learner's own state (right layout, right shapes) and RNG slots.
+
+    RNG states are restored only when the checkpoint was saved by a world of the same size:
+    otherwise ranks do not correspond and the state is left as it is (with a warning).
+    """
+    state = learner.checkpoint()
+    saved_ranks = _saved_ranks(metadata)
+    if len(saved_ranks) != world_size():
+        if rank() == 0:
+            warnings.warn(
+                f"RNG states not restored: the checkpoint was saved by {len(saved_ranks)} "
+                f"rank(s), this world has {world_size()}; RNG states are per rank",
+                stacklevel=3,
+            )
+        return state
+    key = _rank_key(rank())
+    slots = {
+        kind: torch.empty_like(current)
+        for kind, current in _rng_states().items()
+        if f"{RNG_KEY}.{key}.{kind}" in metadata.state_dict_metadata
+    }
+    if slots:
+        state[RNG_KEY] = {key: slots}
+    return state
+
+
+def _restore_rng(rng: dict[str, dict[str, torch.Tensor]] | None) -> None:
+    for states in (rng or {}).values():
+        if "cpu" in states:
+            torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"])
+
+
+def _check_options(keep_latest_k: int, timeout: float) -> None:
+    if not isinstance(keep_latest_k, int) or keep_latest_k < 0:
+        raise ValueError(f"keep_latest_k must be an int >= 0 (0 keeps all), got {keep_latest_k!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+
+
+def save(
+    learner: Checkpointable,
+    directory: str | os.PathLike,
+    *,
+    keep_latest_k: int = 0,
+    asynchronous: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> SaveHandle:
+    """Save `learner` at its current step into `directory/step-<step>` (a collective).
+
+    Every rank writes its own shards into `step-<N>.tmp`; DCP's final collective gathers every
+    rank's write results on rank 0 before it writes `.metadata`, so when rank 0's write returns
+    every shard is on disk. Only then does rank 0 rename the directory to `step-<N>`, write
+    `latest` (temp file + os.replace) and keep the newest `keep_latest_k` steps (0: all).
+
+    asynchronous=True returns once the state is copied (training may go on); the write, and
+    the commit after it, run in a background thread. Call `handle.wait()` on every rank before
+    relying on the checkpoint; the next save or load waits for it first.
+
+    timeout: seconds any checkpoint collective may wait for the other ranks, including for the
+    slowest rank's write; a rank that never calls save ends the job after it with
+    CheckpointTimeoutError naming the operation.
+    """
+    _check_options(keep_latest_k, timeout)
+    async_save.wait_for_pending_save()
+    root, step = Path(directory), int(learner.step)
+    operation = f"checkpoint save of step {step} to {root}"
+    group = checkpoint_group(timeout)
+    join(group, timeout, operation)
+    on_rank0(group, operation, lambda: prepare(root, step))
+    state = _state(learner)
+    writer = FileSystemWriter(tmp_dir(root, step))
+    no_dist = group is None
+    commit_step = lambda: commit(root, step, keep_latest_k)  # noqa: E731
+    if not asynchronous:
+        with dcp_call(operation, no_dist):
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        on_rank0(group, operation, commit_step)
+        return SaveHandle(step_dir(root, step), operation)
+    with dcp_call(operation, no_dist):
+        upload = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=group,
+            async_stager=AlreadyStaged() if on_cpu(state) else None,
+            no_dist=no_dist,
+        )
+    future = then_commit(upload, commit_step) if rank() == 0 else upload
+    handle = SaveHandle(step_dir(root, step), operation, group, future)
+    async_save.set_pending(handle)
+    return handle
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+def load(
+    learner: Checkpointable,
+    directory: str | os.PathLike,
+    *,
+    step: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Path:
+    """Restore `learner` from the checkpoint `latest` names (or `step`) in `directory`.
+
+    A collective. Works across layouts and into a one-process learner: each rank reads the
+    pieces of every saved shard that overlap its own. Before reading any tensor, the
+    checkpoint's metadata is checked against this learner: missing, mismatched or extra keys
+    raise CheckpointError listing them. Returns the step directory loaded.
+    """
+    _check_options(0, timeout)
+    async_save.wait_for_pending_save()
+    root = Path(directory)
+    operation = f"checkpoint load from {root}"
+    group = checkpoint_group(timeout)
+    join(group, timeout, operation)
+    path, metadata = everywhere(group, operation, lambda: open_step(root, step))
+    operation = f"checkpoint load of {path}"
+    state = _template(learner, metadata)
+    everywhere(group, operation, lambda: _check_fits(path, state, metadata))
+    with dcp_call(operation, group is None):
+        dcp.load(
+            state,
+            storage_reader=SafeReader(path, metadata),
+            planner=SafeLoadPlanner(),
+            process_group=group,
+            no_dist=group is None,
+        )
+    rng = state.pop(RNG_KEY, None)
+    learner.load_checkpoint(state)
+    _restore_rng(rng)
+    return path

@@ -1,0 +1,137 @@
+"""The one command line: `titan-learner {train,check,export}` (also `python -m titan_learner`).
+
+Every user error (config, checkpoint, export) ends in one `error: ...` line on stderr and exit
+code 2; `--help` on each subcommand says what it takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from titan_learner.config.errors import ConfigError
+
+USER_ERROR = 2
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="the run's TOML file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one key (a TOML value; a bare word is a string); repeatable",
+    )
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Train LLM policies with TorchTitan sharding and TorchRL losses."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train",
+        help="run the GRPO job of a config (alone, or under torchrun on every rank)",
+        description="Run the GRPO job: rollouts, rewards, updates, weight pushes, checkpoints.",
+    )
+    _config_arguments(train)
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
+    check = commands.add_parser(
+        "check",
+        help="validate a config and print what it resolves to (builds nothing)",
+        description="Validate a config; print the resolved config, mesh, size and memory.",
+    )
+    _config_arguments(check)
+    check.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="number of processes the run will have (default: $WORLD_SIZE or 1)",
+    )
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (safetensors)",
+        description="Write a DCP checkpoint as a Hugging Face model directory.",
+    )
+    export.add_argument(
+        "--checkpoint", required=True, help="checkpoint root (or one step directory)"
+    )
+    export.add_argument("--out", required=True, help="new (or empty) output directory")
+    export.add_argument(
+        "--dtype",
+        default=None,
+        help="bf16, fp16 or fp32 (or bfloat16, float16, float32); default: [learner] export_dtype",
+    )
+    export.add_argument(
+        "--config", default=None, help="TOML file (default: config.toml of the checkpoint root)"
+    )
+    export.add_argument(
+        "--step", type=int, default=None, help="step to export (default: the latest)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "titan-learner") -> int:
+    args = build_parser(prog).parse_args(argv)
+    command = {"train": _train, "check": _check, "export": _export}[args.command]
+    return command(args)
+
+
+def console() -> None:
+    """The `titan-learner` console script."""
+    sys.exit(main())
+
+
+def _error(err: Exception) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    return USER_ERROR
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from titan_learner.config.toml import load_config
+    from titan_learner.job.grpo import run
+
+    try:
+        run(load_config(args.config, args.overrides), resume=args.resume)
+    except ConfigError as err:
+        return _error(err)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from titan_learner.cli.check import plan, render
+    from titan_learner.config.toml import load_config
+
+    if args.world_size < 1:
+        print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return USER_ERROR
+    try:
+        config = load_config(args.config, args.overrides)
+        print(render(config, plan(config, args.world_size)))
+    except ConfigError as err:
+        return _error(err)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from titan_learner.checkpoint.errors import CheckpointError
+    from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(
+            args.checkpoint, args.out, args.dtype, config=args.config, step=args.step
+        )
+    except (ConfigError, CheckpointError, ExportError) as err:
+        return _error(err)
+    print(f"exported {args.checkpoint} to {out}")
+    return 0

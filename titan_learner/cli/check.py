@@ -1,0 +1,60 @@
+"""`titan-learner check`: validate a config and say what it will build, without building it.
+
+Every check `validate` holds runs; what depends on the machine the run is meant for (a CUDA
+device, flex attention, a local `hf_checkpoint`) is a warning here, since a cluster config is
+often checked on a laptop. The model is built on the meta device only (no memory), so checking
+an 8B config takes seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_learner.config.schema import Config
+from titan_learner.config.toml import config_to_toml
+from titan_learner.config.validate import Validated, validate
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a config resolves to on a given world size, and its memory per rank."""
+
+    validated: Validated
+    bytes_per_rank: dict[str, int]
+
+
+def plan(config: Config, world_size: int) -> Plan:
+    # job=False: the GPU configs do not describe a complete GRPO job yet (their task, data and
+    # reward come with the real-runs work); `train` runs the job checks.
+    validated = validate(config, world_size, on_this_machine=False, job=False)
+    shards = validated.dp_shard * validated.tp
+    master = 4 * validated.parameters // shards  # fp32 sharded parameters (FSDP's masters)
+    moments = 2 * master  # Adam/AdamW exp_avg and exp_avg_sq
+    return Plan(
+        validated=validated,
+        bytes_per_rank={"parameters": master, "gradients": master, "optimizer": moments},
+    )
+
+
+def render(config: Config, p: Plan) -> str:
+    v = p.validated
+    lines = [f"config: {config.source} (valid)", "", "[resolved]", config_to_toml(config)]
+    mesh = f"dp_replicate={v.dp_replicate} x dp_shard={v.dp_shard} x tp={v.tp}"
+    total = sum(p.bytes_per_rank.values())
+    lines += [
+        "",
+        f"world size: {v.world_size}   mesh: {mesh}",
+        f"parameters: {v.parameters:,} ({v.parameters / 1e9:.2f} B)",
+        "memory per rank (fp32 masters, gradients and Adam moments, sharded over dp_shard x tp; "
+        "activations excluded):",
+    ]
+    lines += [f"  {k:<10} {_size(n):>12}" for k, n in p.bytes_per_rank.items()]
+    lines.append(f"  {'total':<10} {_size(total):>12}")
+    lines += [f"warning: {warning}" for warning in v.warnings]
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024**2:.2f} MiB"

@@ -1,0 +1,38 @@
+"""ConfigError, the one error type of every configuration problem, and its wording helpers.
+
+Every message names the file, the section and key, what was found and what is allowed, so that
+the command line prints it as one `error:` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as `file: [section] key: message`."""
+
+    def __init__(self, message: str, *, source: str | Path | None = None, where: str = ""):
+        self.source = str(source) if source is not None else "<config>"
+        self.where = where
+        self.detail = message
+        prefix = f"{self.source}: " + (f"{where}: " if where else "")
+        super().__init__(prefix + message)
+
+
+def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
+    """A ' (did you mean X?)' suffix when a close match exists, else ''."""
+    by_lower = {str(c).lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean '{by_lower[close[0]]}'?)" if close else ""
+
+
+def describe_location(path: tuple[str, ...]) -> str:
+    """`[section] key` for a key, `[section]` for a table."""
+    if not path:
+        return ""
+    if len(path) == 1:
+        return f"[{path[0]}]"
+    return f"[{'.'.join(path[:-1])}] {path[-1]}"

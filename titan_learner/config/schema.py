@@ -1,0 +1,172 @@
+"""The TOML schema of a run: one plain dataclass per section, what a user writes.
+
+The sections map onto TorchTitan's own config dataclasses in `titan_learner.model.parallelize`
+and `titan_learner.learner.optimizer` (ParallelismConfig, TrainingConfig, CompileConfig, AC,
+optimizer, LR scheduler), so nothing TorchTitan already describes is re-implemented here.
+Reading and writing TOML is `titan_learner.config.toml`; every check is in `.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+POSITIVE = {"min": 1}
+NON_NEGATIVE = {"min": 0}
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclass
+class ModelOverrides:
+    """Shape overrides applied on top of the flavor (tiny test models, vocabulary changes)."""
+
+    vocab_size: int | None = field(default=None, metadata=POSITIVE)
+    dim: int | None = field(default=None, metadata=POSITIVE)
+    n_layers: int | None = field(default=None, metadata=POSITIVE)
+    n_heads: int | None = field(default=None, metadata=POSITIVE)
+    n_kv_heads: int | None = field(default=None, metadata=POSITIVE)
+    head_dim: int | None = field(default=None, metadata=POSITIVE)
+    hidden_dim: int | None = field(default=None, metadata=POSITIVE)
+    max_seq_len: int | None = field(default=None, metadata=POSITIVE)
+    rope_theta: float | None = field(default=None, metadata={"min": 1.0})
+
+
+@dataclass
+class ModelSection:
+    name: Literal["llama3", "qwen3"] = "llama3"
+    flavor: str = "debugmodel"
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """auto: flex attention on CUDA, SDPA (causal) on CPU where flex has no backward."""
+    hf_checkpoint: str | None = None
+    """A Hugging Face safetensors directory to load weights from, converted by TorchTitan's adapter."""
+    init: Literal["torchtitan", "transformers"] = "torchtitan"
+    """Random initial weights without hf_checkpoint: TorchTitan's init, or the matching
+    transformers model's (std 0.02 everywhere), which small models trained from scratch prefer."""
+    overrides: ModelOverrides = field(default_factory=ModelOverrides)
+
+
+@dataclass
+class ParallelismSection:
+    dp_replicate: int = field(default=1, metadata=POSITIVE)
+    dp_shard: int = field(
+        default=-1, metadata={"min": -1, "not": (0,), "allowed": "-1 (fill the world) or >= 1"}
+    )
+    """-1 fills the world: world_size / (dp_replicate * tp)."""
+    tp: int = field(default=1, metadata=POSITIVE)
+    sequence_parallel: bool = True
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    param_dtype: Dtype = "float32"
+    reduce_dtype: Literal["float32"] = "float32"
+
+
+@dataclass
+class ActivationCheckpointSection:
+    mode: Literal["none", "full", "selective"] = "none"
+
+
+@dataclass
+class CompileSection:
+    enable: bool = False
+    backend: str = "inductor"
+
+
+@dataclass
+class OptimizerSection:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    lr: float = field(default=1e-5, metadata={"min": 0.0})
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = field(default=1e-8, metadata={"min": 0.0})
+    weight_decay: float = field(default=0.0, metadata={"min": 0.0})
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """auto: fused on CUDA, foreach on CPU."""
+
+
+@dataclass
+class LRSchedulerSection:
+    warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    decay: Literal["none", "linear", "sqrt", "cosine"] = "none"
+    min_lr_factor: float = field(default=0.0, metadata={"min": 0.0, "max": 1.0})
+
+
+@dataclass
+class LearnerSection:
+    grad_accum_steps: int = field(default=1, metadata=POSITIVE)
+    clip_norm: float = field(default=1.0, metadata={"min": 0.0})
+    """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still reported)."""
+    mixed_precision: bool = False
+    """Autocast the forward pass to autocast_dtype (on top of FSDP's param_dtype)."""
+    autocast_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """dtype of exported weights (get_weights, iter_weights, sinks): rollout engines run bf16."""
+    logprob_chunk_size: int = field(default=0, metadata=NON_NEGATIVE)
+    """Token positions per lm_head chunk when the loss scores tokens (0: dense [B, T, V] logits).
+    > 0 never holds more than one chunk of [chunk, vocab] float32 logits, in forward or backward."""
+
+
+@dataclass
+class LossSection:
+    name: Literal["grpo", "dapo", "cispo"] = "grpo"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML."""
+
+
+@dataclass
+class RolloutSection:
+    generator: Literal["hf", "vllm"] = "hf"
+    """hf: an in-process transformers model per rank (the embedded default); vllm: engines."""
+    group_size: int = field(default=16, metadata={"min": 2})
+    """G completions per prompt; group-relative advantages need at least 2."""
+    prompts_per_step: int = field(default=64, metadata=POSITIVE)
+    """Prompts per optimizer step over all data-parallel ranks (divisible by their number)."""
+    max_new_tokens: int = field(default=8, metadata=POSITIVE)
+    temperature: float = field(default=1.0, metadata={"min": 0.0})
+    model_path: str | None = None
+    """vllm only: the HF directory the engines start from."""
+
+
+@dataclass
+class TaskSection:
+    name: str = "sort"
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = field(default=0, metadata=NON_NEGATIVE)
+    """Save every N steps (0: never)."""
+    keep_latest_k: int = field(default=2, metadata=POSITIVE)
+    async_save: bool = False
+
+
+@dataclass
+class RunSection:
+    seed: int = field(default=0, metadata=NON_NEGATIVE)
+    steps: int = field(default=10, metadata=POSITIVE)
+    output_dir: str = "outputs/run"
+    batch_size: int = field(default=8, metadata=POSITIVE)
+    """Sequences per rank per update of the benchmarks' synthetic batches (scripts/bench_*.py);
+    the GRPO job sizes its batches from [rollout]."""
+    seq_len: int = field(default=32, metadata={"min": 2})
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    activation_checkpoint: ActivationCheckpointSection = field(
+        default_factory=ActivationCheckpointSection
+    )
+    compile: CompileSection = field(default_factory=CompileSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    loss: LossSection = field(default_factory=LossSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    run: RunSection = field(default_factory=RunSection)
+    source: str = "<config>"
+
+
+SECTIONS = tuple(name for name in Config.__dataclass_fields__ if name != "source")

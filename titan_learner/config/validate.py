@@ -1,0 +1,274 @@
+"""Every check a config gets before any compute, each raising ConfigError with one clear line.
+
+Two levels:
+- `validate_fields(config)`: what the file alone decides (cross-field rules, the loss's keyword
+  arguments). `load_config` runs it, so a Config that exists has passed it.
+- `validate(config, world_size)`: everything a run needs on top: the layout against the world
+  size, the job, the device and attention backend this machine has, the Hugging Face checkpoint
+  directory, and the model shape (flavor, overrides, heads divisible by tp) from a build on the
+  meta device. `train` and `check` both run it, so `check` never approves what `train` rejects.
+
+The resolvers `device_type` and `attention_backend` are also what the model build uses, so the
+answer `validate` checked is the one the run gets.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from titan_learner.config.errors import ConfigError, did_you_mean
+from titan_learner.config.schema import Config, LossSection
+
+# The TorchRL loss class behind each [loss] name, imported only when one is built or checked.
+LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss"}
+_NOT_CONFIGURABLE = {"actor_network", "device", "self", "kwargs", "args"}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Validated:
+    """What a config resolves to on a world size (what `check` prints)."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    device_type: str
+    attention: str
+    parameters: int
+    warnings: list[str] = field(default_factory=list)
+
+
+def validate(
+    config: Config, world_size: int, *, on_this_machine: bool = True, job: bool = True
+) -> Validated:
+    """Run every check; return the resolved layout, device, attention and parameter count.
+
+    on_this_machine=False (`check` on a laptop for a cluster run): what depends on the machine
+    (a CUDA device, flex attention, the local `hf_checkpoint` directory) is reported in
+    `warnings` instead of raised, and the device resolves to what the config asks for.
+    job=False skips the GRPO job's rules (a config that only builds a learner).
+    """
+    validate_fields(config)
+    dp_replicate, dp_shard, tp = check_world_size(config, world_size)
+    if job:
+        check_job(config, world_size)
+    warnings: list[str] = []
+
+    def machine_check(check: Callable[[], T], otherwise: Callable[[], T]) -> T:
+        try:
+            return check()
+        except ConfigError as err:
+            if on_this_machine:
+                raise
+            warnings.append(f"on this machine, {err.where}: {err.detail}")
+            return otherwise()
+
+    device = machine_check(lambda: device_type(config), lambda: _requested_device(config))
+    attention = machine_check(
+        lambda: attention_backend(config, device), lambda: config.model.attention
+    )
+    machine_check(lambda: require_hf_checkpoint(config), lambda: None)
+    return Validated(
+        world_size=world_size,
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        tp=tp,
+        device_type=device,
+        attention=attention,
+        parameters=check_model_shape(config),
+        warnings=warnings,
+    )
+
+
+def validate_fields(config: Config) -> None:
+    """The rules between fields of one file, and the loss's keyword arguments."""
+    p = config.parallelism
+    if config.compile.enable and p.tp > 1 and config.activation_checkpoint.mode != "none":
+        raise ConfigError(
+            "compile with tensor parallel and activation checkpointing together fails in "
+            "torch 2.13; allowed: any two of them",
+            source=config.source,
+            where="[compile] enable",
+        )
+    check_loss_kwargs(config.loss, config.source)
+
+
+# -- the loss -------------------------------------------------------------------------------------
+
+
+def loss_class(name: str) -> type:
+    """The TorchRL loss class of a [loss] name (imports TorchRL)."""
+    import torchrl.objectives.llm as llm_losses
+
+    return getattr(llm_losses, LOSS_CLASSES[name])
+
+
+def check_loss_kwargs(section: LossSection, source: str) -> None:
+    """Reject keyword arguments the chosen TorchRL loss does not take."""
+    if section.kwargs:
+        allowed = [
+            p
+            for p in inspect.signature(loss_class(section.name).__init__).parameters
+            if p not in _NOT_CONFIGURABLE
+        ]
+        for key in section.kwargs:
+            if key not in allowed:
+                raise ConfigError(
+                    f"unknown key '{key}' for loss '{section.name}'{did_you_mean(key, allowed)}; "
+                    f"allowed keys: name, {', '.join(sorted(allowed))}",
+                    source=source,
+                    where="[loss]",
+                )
+    eps = section.kwargs.get("clip_epsilon")
+    if section.name == "dapo" and not isinstance(eps, list | tuple) and eps is not None:
+        raise ConfigError(
+            f"dapo takes an asymmetric clip_epsilon = [low, high], got {eps!r}",
+            source=source,
+            where="[loss] clip_epsilon",
+        )
+
+
+# -- layout and job -------------------------------------------------------------------------------
+
+
+def check_world_size(config: Config, world_size: int) -> tuple[int, int, int]:
+    """Resolve dp_shard=-1 and check dp_replicate * dp_shard * tp == world_size."""
+    p = config.parallelism
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world_size % (p.dp_replicate * p.tp) != 0:
+            raise ConfigError(
+                f"dp_shard=-1 fills the world, but world size {world_size} is not divisible by "
+                f"dp_replicate*tp = {p.dp_replicate * p.tp}",
+                source=config.source,
+                where="[parallelism] dp_shard",
+            )
+        dp_shard = world_size // (p.dp_replicate * p.tp)
+    if p.dp_replicate * dp_shard * p.tp != world_size:
+        raise ConfigError(
+            f"dp_replicate*dp_shard*tp = {p.dp_replicate}*{dp_shard}*{p.tp} = "
+            f"{p.dp_replicate * dp_shard * p.tp} but the world size is {world_size}; "
+            "allowed: a layout whose product equals the number of processes",
+            source=config.source,
+            where="[parallelism]",
+        )
+    return p.dp_replicate, dp_shard, p.tp
+
+
+def check_job(config: Config, world_size: int) -> Any:
+    """The GRPO job's own rules: task, vocabulary, prompts per rank, generator; returns the task."""
+    from titan_learner.job.tasks.registry import TASKS
+
+    where = config.source
+    if config.task.name not in TASKS:
+        raise ConfigError(
+            f"unknown task '{config.task.name}'{did_you_mean(config.task.name, TASKS)}; "
+            f"allowed: {', '.join(TASKS)}",
+            source=where,
+            where="[task] name",
+        )
+    task = TASKS[config.task.name]
+    vocab = config.model.overrides.vocab_size
+    if vocab != task.vocab_size:
+        raise ConfigError(
+            f"vocab_size = {vocab} but task '{task.name}' has a {task.vocab_size}-token vocabulary; "
+            f"allowed: {task.vocab_size} (the generator and the learner share the task's tokenizer)",
+            source=where,
+            where="[model.overrides] vocab_size",
+        )
+    dp_replicate, dp_shard, _ = check_world_size(config, world_size)
+    dp = dp_replicate * dp_shard
+    if config.rollout.prompts_per_step % dp:
+        raise ConfigError(
+            f"{config.rollout.prompts_per_step} prompts do not split over {dp} data-parallel "
+            f"ranks; allowed: a multiple of {dp}",
+            source=where,
+            where="[rollout] prompts_per_step",
+        )
+    per_rank = config.rollout.prompts_per_step // dp
+    if per_rank % config.learner.grad_accum_steps:
+        raise ConfigError(
+            f"{per_rank} prompts per rank do not split into {config.learner.grad_accum_steps} "
+            "micro-batches of whole groups; allowed: grad_accum_steps dividing prompts per rank",
+            source=where,
+            where="[learner] grad_accum_steps",
+        )
+    if config.rollout.generator == "vllm" and not config.rollout.model_path:
+        raise ConfigError(
+            "the vllm generator needs model_path (an HF directory the engines start from)",
+            source=where,
+            where="[rollout] model_path",
+        )
+    return task
+
+
+# -- this machine ---------------------------------------------------------------------------------
+
+
+def device_type(config: Config, requested: str | None = None) -> str:
+    """'auto' means CUDA when present, else CPU; asking for CUDA without it is an error."""
+    import torch
+
+    requested = requested or config.learner.device
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "'cuda' but no CUDA device is visible; allowed: auto, cpu",
+            source=config.source,
+            where="[learner] device",
+        )
+    return requested
+
+
+def _requested_device(config: Config) -> str:
+    """The device a config asks for, on the machine it is meant for ('auto': CUDA)."""
+    return "cuda" if config.learner.device == "auto" else config.learner.device
+
+
+def attention_backend(config: Config, device: str) -> str:
+    """Flex attention has no CPU backward in torch 2.13: CPU runs SDPA (causal only)."""
+    requested = config.model.attention
+    if requested == "auto":
+        return "flex" if device == "cuda" else "sdpa"
+    if requested == "flex" and device == "cpu":
+        raise ConfigError(
+            "'flex' has no backward on CPU in torch 2.13; allowed on CPU: auto, sdpa",
+            source=config.source,
+            where="[model] attention",
+        )
+    return requested
+
+
+def hf_checkpoint_problem(directory: str | None) -> str | None:
+    """Why `directory` cannot be loaded as an HF checkpoint, or None when it looks loadable."""
+    if directory is None:
+        return None
+    if not Path(directory).is_dir():
+        return f"directory {directory!r} not found; allowed: a local Hugging Face model directory"
+    if not any(Path(directory).glob("*.safetensors")):
+        return f"no *.safetensors files in {directory!r}"
+    return None
+
+
+def require_hf_checkpoint(config: Config) -> None:
+    """Fail before any compute when the configured checkpoint directory is unusable."""
+    problem = hf_checkpoint_problem(config.model.hf_checkpoint)
+    if problem:
+        raise ConfigError(problem, source=config.source, where="[model] hf_checkpoint")
+
+
+def check_model_shape(config: Config) -> int:
+    """Build the model on the meta device (flavor, overrides, heads against tp); its size."""
+    from titan_learner.model.parallelize import prepare_model_config
+    from titan_learner.model.spec import build_meta, model_spec
+
+    spec = model_spec(config.model, "sdpa", config.source)
+    prepare_model_config(spec, config)
+    model = build_meta(spec, config.source)
+    return sum(p.numel() for p in model.parameters())

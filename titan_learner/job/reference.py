@@ -1,0 +1,78 @@
+"""A frozen reference model for the optional KL penalty of GRPO-family losses.
+
+With `[loss] kl_to_ref_coeff` set, TorchRL's `GRPOLoss` reads `("next", "ref_log_probs", "full")`
+from the batch: float `[B, T]` log-probs of `("tokens", "full")` under the reference policy, in
+the batch's own left-padded layout. The loss then keeps only the positions of its token mask (the
+response mask and finite behaviour log-probs, under the default "rlhf" masking) and sets every
+other position to 0 on both sides before the KL, so off-mask values never count; a ragged input
+would be padded with `ref_log_prob_padding_value` (0.0 by default).
+
+`ReferenceModel` is the policy's starting point, frozen: built by `build_model(config)`
+from the same config as the learner (same initial weights, same TorchTitan sharding), parameters
+without gradients, eval mode, no optimizer. `log_probs` scores every real token (the attention
+mask), so the values are right whatever positions the loss's masking strategy keeps, and writes
+0.0 on padding. The first real token of a row has no predecessor and scores -log(V) (a uniform
+distribution), as in the policy's own shifted convention.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from tensordict import TensorDictBase
+
+from titan_learner.dtypes import DTYPES
+from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY
+from titan_learner.learner.policy import TitanPolicy
+from titan_learner.model.build import build_model
+
+if TYPE_CHECKING:
+    from torchtitan.distributed import ParallelDims
+
+    from titan_learner.config.schema import Config
+
+
+class ReferenceModel:
+    """The frozen reference policy, built and sharded like the learner's model.
+
+    Build it after the learner (it joins the same default process group, on every rank).
+    `log_probs` is a collective (the sharded forward gathers FSDP shards and runs tensor-parallel
+    collectives): every rank must call it, the same number of times and in the same order, and
+    ranks of one tensor-parallel group must pass the same batch.
+    """
+
+    def __init__(self, config: Config, dims: ParallelDims | None = None) -> None:
+        """`dims`: the learner's mesh (`TitanLearner.parallel_dims`), to share its groups."""
+        # Materializing the model draws from the global RNG: keep the learner's stream as it was.
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
+            built = build_model(config, dims=dims)
+        self.model = built.model.requires_grad_(False).eval()
+        self.device = built.device
+        learner = config.learner
+        self.policy = TitanPolicy(
+            self.model, logprob_chunk_size=learner.logprob_chunk_size, compute_entropy=False
+        )
+        # The learner's loss runs under this autocast: score the reference the same way.
+        self._autocast = {
+            "device_type": self.device.type,
+            "dtype": DTYPES[learner.autocast_dtype],
+            "enabled": learner.mixed_precision,
+        }
+
+    @torch.no_grad()
+    def log_probs(self, batch: TensorDictBase) -> torch.Tensor:
+        """Float32 `[B, T]` reference log-probs of the batch's tokens; 0.0 on padding.
+
+        A collective: every rank calls it (see the class docstring).
+        """
+        tokens = batch.get(TOKENS_KEY).to(self.device)
+        attention = batch.get(ATTENTION_MASK_KEY).to(self.device)
+        with torch.autocast(**self._autocast):
+            if self.policy.logprob_chunk_size:  # no [B, T, V] logits; 0 off the mask
+                return self.policy.token_dist(tokens, attention, attention).log_prob(tokens)
+            logits = self.policy.token_logits(tokens, attention)
+        targets = torch.where(attention, tokens, 0).unsqueeze(-1)  # padding ids may be anything
+        scored = logits.log_softmax(-1).gather(-1, targets).squeeze(-1)
+        return torch.where(attention, scored, 0.0)

@@ -1,0 +1,130 @@
+"""The batch format `Learner.update` takes, checked before any compute.
+
+Each rank passes its own local batch of B sequences, left-padded to a common length T:
+
+| key                                | dtype   | shape                 | meaning                                  |
+|------------------------------------|---------|-----------------------|------------------------------------------|
+| ("tokens", "full")                 | int64   | [B, T]                | prompt + response token ids              |
+| ("masks", "all_attention_mask")    | bool    | [B, T]                | True on real (non-padding) tokens        |
+| ("masks", "all_assistant_mask")    | bool    | [B, T]                | True on response tokens the loss trains  |
+| ("log_probs", "full")              | float32 | [B, T]                | behaviour (sampling) log-probs           |
+| "advantage"                        | float32 | [B], [B, 1], [B,1,1] or [B, T, 1] | per-sequence or per-token |
+| ("next", "ref_log_probs", "full")  | float32 | [B, T]                | only with kl_to_ref_coeff                |
+
+Ranks of one tensor-parallel group pass the same batch; data-parallel ranks pass different ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+TOKENS_KEY = ("tokens", "full")
+PROMPT_TOKENS_KEY = ("tokens", "prompt")
+ATTENTION_MASK_KEY = ("masks", "all_attention_mask")
+ASSISTANT_MASK_KEY = ("masks", "all_assistant_mask")
+LOG_PROBS_KEY = ("log_probs", "full")
+REF_LOG_PROBS_KEY = ("next", "ref_log_probs", "full")
+ADVANTAGE_KEY = "advantage"
+REQUIRED_KEYS = (TOKENS_KEY, ATTENTION_MASK_KEY, ASSISTANT_MASK_KEY, LOG_PROBS_KEY, ADVANTAGE_KEY)
+
+
+class BatchError(ValueError):
+    """A batch that does not follow the documented format; raised before any compute."""
+
+
+def _fmt(key) -> str:
+    return repr(key) if isinstance(key, tuple) else f"'{key}'"
+
+
+def check_batch(
+    batch: TensorDictBase, vocab_size: int, needs_ref_log_probs: bool
+) -> TensorDictBase:
+    """Validate `batch` and return it with the advantage shaped as TorchRL's loss wants it."""
+    if not isinstance(batch, TensorDictBase):
+        raise BatchError(f"update() takes a TensorDict, got {type(batch).__name__}")
+    required = (*REQUIRED_KEYS, REF_LOG_PROBS_KEY) if needs_ref_log_probs else REQUIRED_KEYS
+    keys = set(batch.keys(include_nested=True, leaves_only=True))
+    missing = [_fmt(k) for k in required if k not in keys]
+    if missing:
+        raise BatchError(
+            f"batch is missing {', '.join(missing)}; required keys: "
+            + ", ".join(_fmt(k) for k in required)
+        )
+    tokens = batch.get(TOKENS_KEY)
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise BatchError(
+            f"{_fmt(TOKENS_KEY)} must be an integer tensor [B, T], "
+            f"got {tokens.dtype} {tuple(tokens.shape)}"
+        )
+    shape = tokens.shape
+    for key in (ATTENTION_MASK_KEY, ASSISTANT_MASK_KEY):
+        mask = batch.get(key)
+        if mask.dtype != torch.bool or mask.shape != shape:
+            raise BatchError(
+                f"{_fmt(key)} must be bool {tuple(shape)} like the tokens, "
+                f"got {mask.dtype} {tuple(mask.shape)}"
+            )
+    for key in (LOG_PROBS_KEY, REF_LOG_PROBS_KEY) if needs_ref_log_probs else (LOG_PROBS_KEY,):
+        value = batch.get(key)
+        if not value.is_floating_point() or value.shape != shape:
+            raise BatchError(
+                f"{_fmt(key)} must be float {tuple(shape)} like the tokens, "
+                f"got {value.dtype} {tuple(value.shape)}"
+            )
+        if value.requires_grad:
+            raise BatchError(f"{_fmt(key)} must not require grad (behaviour log-probs are data)")
+    attention = batch.get(ATTENTION_MASK_KEY)
+    if (batch.get(ASSISTANT_MASK_KEY) & ~attention).any():
+        raise BatchError(
+            f"{_fmt(ASSISTANT_MASK_KEY)} marks padding positions; it must be a subset of "
+            f"{_fmt(ATTENTION_MASK_KEY)}"
+        )
+    real = tokens[attention]
+    if real.numel() and (real.min() < 0 or real.max() >= vocab_size):
+        raise BatchError(
+            f"token ids must lie in [0, {vocab_size}) (the model's vocab_size), "
+            f"got [{int(real.min())}, {int(real.max())}]"
+        )
+    advantage = batch.get(ADVANTAGE_KEY)
+    B, T = shape
+    if advantage.shape in ((B,), (B, 1)):
+        advantage = advantage.reshape(B, 1, 1)
+    elif advantage.shape not in ((B, 1, 1), (B, T, 1)):
+        raise BatchError(
+            f"'advantage' must be [B], [B, 1], [B, 1, 1] or [B, T, 1] with B={B}, T={T}, "
+            f"got {tuple(advantage.shape)}"
+        )
+    out = batch.clone(recurse=False)
+    out.set(ADVANTAGE_KEY, advantage.float())
+    return out
+
+
+def synthetic_batch(
+    batch_size: int, seq_len: int, vocab_size: int, generator: torch.Generator
+) -> TensorDict:
+    """A well-formed random GRPO batch: left-padded prompts, responses, sampled log-probs.
+
+    Every row trains the same number of response tokens, so a data-parallel split of it has the
+    same token-mean loss as the whole (what parity tests compare).
+    """
+    response_len = max(1, seq_len // 2)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    pad = torch.randint(0, seq_len - response_len, (batch_size,), generator=generator)
+    positions = torch.arange(seq_len).expand(batch_size, seq_len)
+    attention = positions >= pad.unsqueeze(1)
+    assistant = positions >= seq_len - response_len
+    tokens = torch.where(attention, tokens, 0)
+    log_probs = -torch.rand(batch_size, seq_len, generator=generator) * 3.0
+    log_probs = torch.where(assistant, log_probs, torch.nan)
+    advantage = torch.randn(batch_size, 1, 1, generator=generator)
+    return TensorDict(
+        {
+            TOKENS_KEY: tokens,
+            ATTENTION_MASK_KEY: attention,
+            ASSISTANT_MASK_KEY: assistant,
+            LOG_PROBS_KEY: log_probs,
+            ADVANTAGE_KEY: advantage,
+        },
+        batch_size=[batch_size],
+    )

@@ -1,0 +1,381 @@
+"""The Learner contract: update(batch), weights out, checkpoint state in and out.
+
+`Learner` holds the contract once; `LocalLearner` (one process, plain model: the reference every
+parity test compares against) and `TitanLearner` (TorchTitan-built and -sharded) differ only in
+how they build the model and which process groups they reduce over.
+
+Collectives: `update`, `checkpoint`, `load_checkpoint` and `get_weights` must be called by every
+rank of the world, the same number of times, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+from torchrl.trainers.trainers import OptimizationStepper
+
+from titan_learner.config.schema import Config
+from titan_learner.dtypes import DTYPES
+from titan_learner.learner.batch import check_batch
+from titan_learner.learner.guards import (
+    OptimizerCoverageCheck,
+    load_loss_own_state,
+    loss_own_state,
+    reject_unsynchronized_loss_parameters,
+)
+from titan_learner.learner.losses import build_loss
+from titan_learner.learner.optimizer import build_lr_scheduler, build_optimizer
+from titan_learner.learner.policy import TitanPolicy
+from titan_learner.learner.stepper import TitanOptimizationStepper
+from titan_learner.ranks import rank
+from titan_learner.weights.export import DEFAULT_BUCKET_BYTES, WeightExport, iter_hf_tensors
+
+if TYPE_CHECKING:
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What this learner can do, for callers that adapt (e.g. a job choosing a weight sink)."""
+
+    world_size: int
+    data_parallel_size: int
+    tensor_parallel_size: int
+    device_type: str
+    param_dtype: str
+    gradient_accumulation: bool
+    sharded: bool
+
+
+class Learner:
+    """A policy model, a TorchRL loss and a TorchRL optimization stepper behind one contract.
+
+    The stepper drives each `update`: it calls back `compute_loss` and reads `loss_module`,
+    `optimizer`, `clip_grad_norm` and `clip_norm` from this object (its "trainer").
+    """
+
+    clip_grad_norm = True
+    parallel_dims: ParallelDims | None = None  # TorchTitan's mesh; None for LocalLearner
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        model: nn.Module,
+        spec: ModelSpec,
+        loss_module: nn.Module | None,
+        stepper: OptimizationStepper | None,
+        device: torch.device,
+        data_parallel_group: dist.ProcessGroup | None,
+        capabilities: Capabilities,
+        tensor_parallel_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.spec = spec
+        self.device = device
+        self.policy = TitanPolicy(model, logprob_chunk_size=config.learner.logprob_chunk_size)
+        self.loss_module = (
+            loss_module if loss_module is not None else build_loss(config.loss, self.policy)
+        )
+        reject_unsynchronized_loss_parameters(
+            self.loss_module, model, capabilities.data_parallel_size
+        )
+        # The chunked pass computes entropy only for a loss that uses it.
+        self.policy.compute_entropy = bool(getattr(self.loss_module, "entropy_bonus", True))
+        self.capabilities = capabilities
+        self.data_parallel_group = data_parallel_group
+        self.tensor_parallel_group = tensor_parallel_group
+        # 0 disables clipping; an infinite threshold still computes (and reports) the norm and
+        # keeps TorchRL's non-finite-gradient guard, which None would turn off.
+        self.clip_norm = config.learner.clip_norm or math.inf
+        self.optimizer = build_optimizer(model, config, device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
+        self.stepper = self._adopt_stepper(stepper)
+        self.optimizer = self.stepper.optimizer
+        self._coverage = OptimizerCoverageCheck(
+            self.optimizer, lambda: [self.model, self.loss_module]
+        )
+        self.step = 0
+        self.policy_version = 0
+        self.vocab_size = model.config.vocab_size
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _adopt_stepper(self, stepper: OptimizationStepper | None) -> OptimizationStepper:
+        learner = self.config.learner
+        if stepper is None:
+            return TitanOptimizationStepper(
+                self.optimizer,
+                model=self.model,
+                mixed_precision=learner.mixed_precision,
+                autocast_dtype=DTYPES[learner.autocast_dtype],
+                gradient_accumulation_steps=learner.grad_accum_steps,
+                clip_norm=self.clip_norm,
+                device_type=self.device.type,
+            )
+        if not isinstance(stepper, OptimizationStepper):
+            raise TypeError(
+                f"stepper must be a torchrl OptimizationStepper, got {type(stepper).__name__}"
+            )
+        if getattr(stepper, "optimizer", None) is None:
+            # Steppers that read trainer.optimizer (DefaultOptimizationStepper, TD3) get ours.
+            stepper.optimizer = self.optimizer
+        return stepper
+
+    # -- the stepper's trainer interface --------------------------------------------------------
+
+    def compute_loss(self, batch: TensorDictBase, method: str | None = None) -> TensorDictBase:
+        """Run the loss module; make a non-finite loss on any rank non-finite on every rank.
+
+        A rank that skipped backward while others ran it would hang the gradient collectives,
+        so the stepper's drop-the-window decision must be the same everywhere.
+        """
+        module = self.loss_module if method is None else getattr(self.loss_module, method)
+        out = module(batch)
+        out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
+        loss_keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
+        if not loss_keys:
+            raise RuntimeError(
+                f"{type(self.loss_module).__name__} returned no key starting with 'loss' "
+                f"(got {sorted(map(str, out.keys()))}); the learner trains on their sum"
+            )
+        total = sum(out.get(k) for k in loss_keys)
+        if total.dim() != 0:
+            raise ValueError(
+                f"the summed loss has shape {tuple(total.shape)}, not a scalar: the loss module "
+                "must reduce over the batch (e.g. reduction='mean' / aggregation='token_mean', "
+                "not 'none')"
+            )
+        finite = torch.isfinite(total.detach()).to(torch.int32).reshape(1)
+        if dist.is_initialized() and self.capabilities.world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not bool(finite.item()):
+            for key in loss_keys:
+                out.set(key, out.get(key) * torch.nan)
+        return out
+
+    # -- the contract -------------------------------------------------------------------------
+
+    def update(self, batch: TensorDictBase) -> TensorDict:
+        """One micro-batch: forward, backward and, at the end of an accumulation window, a step.
+
+        Returns detached scalar metrics averaged over data-parallel ranks; `grad_norm` and `lr`
+        appear only on calls that closed a window. Every rank must call it.
+        """
+        needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
+        batch = check_batch(batch, self.vocab_size, needs_ref).to(self.device)
+        self.model.train()
+        steps_before = getattr(self.stepper, "optimizer_step_count", None)
+        lr = self.lr_scheduler.schedulers[0].get_last_lr()[0]  # the rate this step applies
+        metrics = self.stepper._step(self, batch)
+        if steps_before is None:  # a stepper without a counter steps on every call it reports
+            stepped = "grad_norm" in metrics.keys()
+        else:
+            stepped = self.stepper.optimizer_step_count > steps_before
+        if stepped:
+            # TorchTitan's schedule is defined over [run] steps; past it, the last rate holds.
+            if self.lr_scheduler.schedulers[0].last_epoch < self.config.run.steps:
+                self.lr_scheduler.step()
+            self.policy_version += 1
+        if stepped or self._window_position() == 0:  # stepped, or dropped for a non-finite loss
+            self.step += 1
+        metrics = self._average_over_data_parallel(metrics)
+        if "grad_norm" in metrics.keys():
+            metrics["lr"] = torch.tensor(lr)
+        metrics["skipped_nonfinite_steps"] = torch.tensor(
+            getattr(self.stepper, "skipped_nonfinite_steps", 0)
+        )
+        return metrics
+
+    def _window_position(self) -> int:
+        """Micro-batches into the current accumulation window (0: the window just closed)."""
+        micro_step = getattr(self.stepper, "micro_step", 0)
+        return micro_step % getattr(self.stepper, "gradient_accumulation_steps", 1)
+
+    def _average_over_data_parallel(self, metrics: TensorDictBase) -> TensorDict:
+        keys = [k for k in metrics.keys() if k != "grad_norm"]
+        values = torch.stack([metrics.get(k).detach().float().cpu() for k in keys])
+        if self.data_parallel_group is not None:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+            values = values.cpu() / dist.get_world_size(self.data_parallel_group)
+        out = TensorDict({k: v for k, v in zip(keys, values, strict=False)}, batch_size=[])
+        if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
+            out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
+        return out
+
+    def iter_weights(
+        self,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+        cpu_offload: bool = True,
+        checksum: bool = True,
+    ) -> WeightExport:
+        """Stream the weights as buckets of (Hugging Face name, full plain tensor).
+
+        A collective: every rank iterates to the end. Extra memory per rank is about one bucket.
+        cpu_offload=True: CPU tensors on rank 0, empty buckets elsewhere; False: tensors on the
+        learner's device on every rank. dtype defaults to [learner] export_dtype. The returned
+        export's `manifest` (names, shapes, dtypes, version, checksum) is set once iterated.
+        checksum=False skips hashing the bytes (a device-to-host copy of every tensor on GPU)
+        where they never leave the process; names and shapes are still in the manifest.
+        """
+        dtype = dtype or DTYPES[self.config.learner.export_dtype]
+        return WeightExport(
+            iter_hf_tensors(self.model, self.spec),
+            version=self.policy_version,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            device=torch.device("cpu") if cpu_offload else self.device,
+            keep=not cpu_offload or rank() == 0,
+            checksum=checksum,
+        )
+
+    @torch.no_grad()
+    def get_weights(self, cpu_offload: bool = True, dtype: torch.dtype | None = None) -> TensorDict:
+        """All weights as one flat TensorDict keyed by Hugging Face name (see iter_weights).
+
+        cpu_offload=True: CPU copies on rank 0, an empty TensorDict on other ranks.
+        cpu_offload=False: full tensors on the learner's device, on every rank.
+        """
+        export = self.iter_weights(
+            bucket_bytes=2**62, dtype=dtype, cpu_offload=cpu_offload, checksum=False
+        )
+        return TensorDict(dict(pair for bucket in export for pair in bucket), batch_size=[])
+
+    # -- state: in memory (checkpoint / state_dict), on disk (save / load) --------------------
+
+    def checkpoint(self) -> dict[str, Any]:
+        """This rank's state in memory, as cloned tensors (writes nothing to disk).
+
+        Model and optimizer shards, LR scheduler, stepper counters, the loss module's own
+        parameters and buffers, step and policy version. Gradients are not saved.
+        A collective on sharded learners; `save` is the on-disk form.
+        """
+        counters = self.stepper.counters() if hasattr(self.stepper, "counters") else {}
+        return {
+            "model": _clone(self.model.state_dict()),
+            "optimizer": self._optimizer_state(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "loss": _clone(loss_own_state(self.loss_module, self.model)),
+            "stepper": counters,
+            "step": self.step,
+            "policy_version": self.policy_version,
+        }
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """Cloned optimizer state, without side effects on a learner that never stepped.
+
+        TorchTitan materializes missing Adam state with a zero-lr step, which leaves `step` at 1
+        and would make the next update differ from that of a learner never checkpointed:
+        step 0 with zero moments is exactly a fresh Adam, so the count is put back.
+        """
+        fresh = not any(optimizer.state for optimizer in self.optimizer.optimizers)
+        state = _clone(self.optimizer.state_dict())
+        if fresh:
+            for optimizer in self.optimizer.optimizers:
+                for param_state in optimizer.state.values():
+                    param_state["step"].zero_()
+            for key, value in state.items():
+                if key.endswith(".step") and isinstance(value, torch.Tensor):
+                    value.zero_()
+        return state
+
+    def save(self, directory: str, **options: Any) -> Any:
+        """Write a DCP checkpoint to disk (a collective on every rank): see
+        titan_learner.checkpoint.save.
+
+        Rank 0 also writes the resolved config beside the steps (`directory/config.toml`), so a
+        checkpoint says which model it holds (`python -m titan_learner export` reads it).
+        """
+        from titan_learner import checkpoint
+        from titan_learner.config.toml import save_resolved_config
+
+        if rank() == 0:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            save_resolved_config(self.config, directory)
+        return checkpoint.save(self, directory, **options)
+
+    def load(self, directory: str, **options: Any) -> Any:
+        """Restore a DCP checkpoint from disk (a collective on every rank): see
+        titan_learner.checkpoint.load."""
+        from titan_learner import checkpoint
+
+        return checkpoint.load(self, directory, **options)
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore a `checkpoint()` from memory (reads nothing from disk; `load` does).
+
+        A mid-window state restarts its accumulation window (with a warning).
+        """
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        load_loss_own_state(self.loss_module, self.model, state["loss"])
+        counters = dict(state["stepper"])
+        accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
+        into_window = counters.get("micro_step", 0) % accumulation
+        if into_window:
+            warnings.warn(
+                f"checkpoint was taken {into_window} micro-batch(es) into a gradient "
+                "accumulation window; gradients are not saved, so the window restarts",
+                stacklevel=2,
+            )
+            counters["micro_step"] -= into_window
+        if hasattr(self.stepper, "load_counters") and counters:
+            self.stepper.load_counters(counters)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = int(state["step"])
+        self.policy_version = int(state["policy_version"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The `Stateful` protocol (torch.distributed.checkpoint, TorchTitan's checkpointer):
+        the same in-memory state as `checkpoint()`, so `dcp.save({"learner": learner}, ...)`
+        works. Writes nothing to disk itself."""
+        return self.checkpoint()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The `Stateful` protocol: restore what `state_dict()` returned (`load_checkpoint`)."""
+        self.load_checkpoint(state_dict)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which slice of the global batch this rank trains on (equal within a TP group)."""
+        return (
+            dist.get_rank(self.data_parallel_group) if self.data_parallel_group is not None else 0
+        )
+
+    def local_batch(self, global_batch: TensorDictBase) -> TensorDictBase:
+        """This rank's contiguous 1/data_parallel_size slice of a batch every rank holds."""
+        size = self.capabilities.data_parallel_size
+        if global_batch.batch_size[0] % size:
+            raise ValueError(
+                f"global batch of {global_batch.batch_size[0]} sequences does not split evenly "
+                f"over {size} data-parallel ranks"
+            )
+        per_rank = global_batch.batch_size[0] // size
+        start = self.data_parallel_rank * per_rank
+        return global_batch[start : start + per_rank]
+
+
+def _clone(state: dict[str, Any]) -> dict[str, Any]:
+    """Deep copy of tensors: DCP and cpu_offload may alias live shards, so never hand those out."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        elif isinstance(value, dict):
+            out[key] = _clone(value)
+        else:
+            out[key] = value
+    return out

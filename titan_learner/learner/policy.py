@@ -1,0 +1,238 @@
+"""A TorchRL LLM actor over a TorchTitan decoder, so torchrl.objectives.llm losses run on it.
+
+TorchRL's LLM losses ask the actor for a masked categorical over a left-padded `[B, T]` batch,
+with the shifted convention: `logits[:, t]` scores token t and position 0 is zeros. A causal model
+must not attend to left padding, and TorchTitan's SDPA path is causal-only (no padding mask), so
+each row is left-justified before the forward (real tokens first, positions 0..n-1) and the
+logits are put back in the caller's layout afterwards. Padding then only ever follows real tokens,
+which causal attention never looks at: log-probs equal those of the unpadded sequence.
+
+With `logprob_chunk_size > 0` the distributions the losses ask for (`_get_*_dist`, and
+`get_dist` with a `mask_key`) never see `[B, T, V]` logits: the decoder runs without its lm_head
+and `titan_learner.logprobs` scores the masked positions chunk by chunk. `forward` and
+`token_logits` stay dense for other callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from tensordict import NestedKey, TensorDictBase
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchrl.modules.llm.policies.common import LLMWrapperBase
+
+from titan_learner.learner.batch import (
+    ASSISTANT_MASK_KEY,
+    ATTENTION_MASK_KEY,
+    PROMPT_TOKENS_KEY,
+    TOKENS_KEY,
+)
+from titan_learner.learner.logprobs import ChunkedTokenCategorical, TokenScorer
+from titan_learner.model.spec import uses_flex_attention
+
+
+def left_justify_order(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row permutation that puts real tokens first, in order: gather with it to justify."""
+    return torch.argsort((~attention_mask).to(torch.int8), dim=1, stable=True)
+
+
+@contextmanager
+def lm_head_skipped(model: nn.Module) -> Iterator[None]:
+    """TorchTitan's decoder returns its final-norm hidden states instead of logits, meanwhile."""
+    previous = model._skip_lm_head
+    model._skip_lm_head = True
+    try:
+        yield
+    finally:
+        model._skip_lm_head = previous
+
+
+class TitanPolicy(LLMWrapperBase):
+    """Log-prob (non-generating) actor over a TorchTitan model; the model may be sharded.
+
+    logprob_chunk_size: 0 gives the losses TorchRL's dense `LLMMaskedCategorical` over
+    `token_logits`; N > 0 gives a `ChunkedTokenCategorical` that runs the lm_head on N scored
+    positions at a time (FSDP and tensor parallel included: see titan_learner.logprobs).
+    compute_entropy: (chunked only) compute the entropy in the same chunked pass, as the losses'
+    default `entropy_bonus=True` needs; False saves that work when the loss has no entropy
+    bonus, and `entropy()` then costs one more chunked pass if it is called after all.
+    """
+
+    def __init__(
+        self, model: nn.Module, logprob_chunk_size: int = 0, compute_entropy: bool = True
+    ) -> None:
+        super().__init__()
+        if logprob_chunk_size < 0:
+            raise ValueError(f"logprob_chunk_size must be >= 0, got {logprob_chunk_size}")
+        self.model = model
+        self.logprob_chunk_size = logprob_chunk_size
+        self.compute_entropy = compute_entropy
+        self.generate = False
+        self.pad_output = True
+        self.input_mode = "tokens"
+        self.tokenizer = None
+        self.in_keys = [TOKENS_KEY, ATTENTION_MASK_KEY]
+        self.out_keys = ["logits"]
+
+    def _justified_forward(self, tokens: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """The model on left-justified rows: logits, or hidden states under `lm_head_skipped`."""
+        justified = tokens.gather(1, order)
+        masks = None
+        if uses_flex_attention(self.model):
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            masks = self.model.get_attention_masks(positions)
+        return self.model(justified, attention_masks=masks)
+
+    def token_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Shifted float32 logits `[B, T, V]` in the caller's (left-padded) layout."""
+        order = left_justify_order(attention_mask)
+        out = self._justified_forward(tokens, order)
+        if isinstance(out, DTensor):  # tensor-parallel lm_head with loss parallel
+            out = out.full_tensor()
+        out = out.float()
+        shifted = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+        inverse = torch.argsort(order, dim=1)
+        return shifted.gather(1, inverse.unsqueeze(-1).expand_as(shifted))
+
+    def token_dist(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor
+    ) -> ChunkedTokenCategorical:
+        """The chunked distribution over `tokens`, scoring the positions where `mask` is True.
+
+        Same layout rules as `token_logits` (left-justified forward, shifted scores), but the
+        decoder stops at its final norm and only the masked positions ever reach the lm_head.
+        """
+        if self.logprob_chunk_size < 1:
+            raise ValueError("token_dist needs logprob_chunk_size >= 1 (0 is the dense path)")
+        mask = mask.bool()
+        order = left_justify_order(attention_mask)
+        with lm_head_skipped(self.model):
+            hidden = self._justified_forward(tokens, order)
+        if isinstance(hidden, DTensor):  # tensor parallel: the final norm's output, replicated
+            hidden = hidden.full_tensor()
+        scorer = self._scorer(hidden, order, mask)
+        return ChunkedTokenCategorical(scorer, tokens, mask, with_entropy=self.compute_entropy)
+
+    def _scorer(self, hidden: torch.Tensor, order: torch.Tensor, mask: torch.Tensor) -> TokenScorer:
+        """Keep, for each masked position, the justified hidden state one position before it.
+
+        Only these `[N, D]` rows go on to the lm_head: unmasked positions score 0 and get no
+        gradient in the dense distribution either, so skipping them changes nothing.
+        """
+        batch, length = mask.shape
+        inverse = torch.argsort(order, dim=1)  # caller position -> justified position
+        source = inverse[mask] - 1
+        rows = torch.arange(batch, device=mask.device).unsqueeze(1).expand_as(mask)[mask]
+        flat = hidden.reshape(batch * length, hidden.shape[-1])
+        return TokenScorer(
+            hidden=flat.index_select(0, rows * length + source.clamp_min(0)),
+            unscored=source < 0,
+            head=self.model.lm_head,
+            vocab_size=self.model.config.vocab_size,
+            chunk_size=self.logprob_chunk_size,
+        )
+
+    def _chunked_dist(self, tensordict: TensorDictBase, mask: torch.Tensor | None):
+        if mask is None:
+            raise ValueError("the chunked log-prob path needs a [B, T] position mask, got None")
+        return self.token_dist(tensordict.get(TOKENS_KEY), tensordict.get(ATTENTION_MASK_KEY), mask)
+
+    # -- the distributions TorchRL's LLM losses ask for (chunked when logprob_chunk_size > 0) --
+
+    def _get_dist_with_assistant_mask(
+        self,
+        tensordict: TensorDictBase,
+        assistant_mask_key: NestedKey = ASSISTANT_MASK_KEY,
+        logits_key: NestedKey = "logits",
+        padding_side: str = "left",
+        **kwargs,
+    ):
+        if not self.logprob_chunk_size:
+            return super()._get_dist_with_assistant_mask(
+                tensordict, assistant_mask_key, logits_key, padding_side, **kwargs
+            )
+        return self._chunked_dist(tensordict, tensordict.get(assistant_mask_key))
+
+    def _get_dist_with_attention_mask(
+        self,
+        tensordict: TensorDictBase,
+        attention_mask_key: NestedKey = ATTENTION_MASK_KEY,
+        logits_key: NestedKey = "logits",
+        padding_side: str = "left",
+        **kwargs,
+    ):
+        if not self.logprob_chunk_size:
+            return super()._get_dist_with_attention_mask(
+                tensordict, attention_mask_key, logits_key, padding_side, **kwargs
+            )
+        return self._chunked_dist(tensordict, tensordict.get(attention_mask_key))
+
+    def _get_dist_with_prompt_mask(
+        self,
+        tensordict: TensorDictBase,
+        tokens_key: NestedKey = PROMPT_TOKENS_KEY,
+        logits_key: NestedKey = "logits",
+        assistant_mask_key: NestedKey = ASSISTANT_MASK_KEY,
+        attention_mask_key: NestedKey = ATTENTION_MASK_KEY,
+        padding_side: str = "left",
+        **kwargs,
+    ):
+        if not self.logprob_chunk_size:
+            return super()._get_dist_with_prompt_mask(
+                tensordict,
+                tokens_key,
+                logits_key,
+                assistant_mask_key,
+                attention_mask_key,
+                padding_side,
+                **kwargs,
+            )
+        prompt = tensordict.get(tokens_key, None)
+        if prompt is None:  # TorchRL's rule: no prompt tokens, the assistant mask decides
+            return self._chunked_dist(tensordict, tensordict.get(assistant_mask_key))
+        response = tensordict.get(attention_mask_key).clone()
+        response[..., : prompt.shape[-1]] = False
+        return self._chunked_dist(tensordict, response)
+
+    def _get_dist_with_custom_mask(
+        self,
+        tensordict: TensorDictBase,
+        mask: torch.Tensor,
+        logits_key: NestedKey = "logits",
+        padding_side: str = "left",
+        **kwargs,
+    ):
+        if not self.logprob_chunk_size:
+            return super()._get_dist_with_custom_mask(
+                tensordict, mask, logits_key, padding_side, **kwargs
+            )
+        return self._chunked_dist(tensordict, mask)
+
+    def get_dist(
+        self,
+        tensordict: TensorDictBase,
+        tensordict_out: TensorDictBase | None = None,
+        logits_key: NestedKey = "logits",
+        mask_key: NestedKey | None = None,
+        **kwargs,
+    ):
+        """Chunked with a `mask_key`; without one TorchRL builds a dense token-level mask."""
+        if self.logprob_chunk_size and mask_key is not None:
+            return self._chunked_dist(tensordict, tensordict.get(mask_key))
+        return super().get_dist(tensordict, tensordict_out, logits_key, mask_key, **kwargs)
+
+    def forward(
+        self,
+        tensordict: TensorDictBase,
+        *,
+        tensordict_out: TensorDictBase | None = None,
+        logits_only: bool = False,
+        **kwargs,
+    ) -> TensorDictBase:
+        out = tensordict if tensordict_out is None else tensordict_out
+        logits = self.token_logits(tensordict.get(TOKENS_KEY), tensordict.get(ATTENTION_MASK_KEY))
+        out.set("logits", logits)
+        return out

@@ -1,0 +1,62 @@
+"""The accommodations TorchTitan 0.3.0 needs off its home turf (CPU, gloo), in one place.
+
+Each function names one problem measured on this stack (see shared NOTES) and fixes it at the
+smallest scope; on CUDA/NCCL every function here is a no-op, so there is one code path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+
+import torch
+from torch import nn
+
+# Modules that copy torchtitan.tools.utils.device_type/device_module by name at import time.
+_DEVICE_COPIES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.components.metrics",
+    "torchtitan.models.common.token_dispatcher",
+)
+
+
+def set_titan_device_type(device_type: str) -> None:
+    """TorchTitan falls back to 'cuda' on a machine with no accelerator; tell it the truth.
+
+    Must run before `init_distributed`, which picks the process-group backend from it (gloo on CPU).
+    """
+    module = torch.cuda if device_type == "cuda" else torch.cpu
+    for name in _DEVICE_COPIES:
+        mod = importlib.import_module(name)
+        if hasattr(mod, "device_type"):
+            mod.device_type = device_type
+        if hasattr(mod, "device_module"):
+            mod.device_module = module
+
+
+def force_sum_reduction_on_gloo(model: nn.Module) -> None:
+    """gloo has no PREMUL_SUM: make every FSDP module reduce with SUM (then divide) instead."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    if dist.get_backend() != "gloo":
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def default_single_process_env() -> None:
+    """Let a plain `python -m ...` (no torchrun) form a world of one on a free local port."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    )
+    os.environ.setdefault("MASTER_PORT", str(port))

@@ -1,0 +1,2 @@
+"""Weights out of the learner: the streamed Hugging Face-named export (`export`), the one check
+that named tensors fit a receiver (`matching`), and the sinks (`sinks`; vLLM: `vllm`)."""
