@@ -5,10 +5,12 @@ One spawned gloo world per size runs every layout of that size, so each world is
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from tests.support.models import batches, tiny_config
+from tests.support.models import batches, tiny_config, with_ref_log_probs
 from tests.support.scenarios import STEPS, loss_parameter_rejected, run_layouts
 from tests.support.worlds import run_world
 from titan_learner.learner.local import LocalLearner
@@ -35,9 +37,53 @@ WORLD2 = {
         "sections": {"parallelism": {"dp_shard": 2}, "learner": {"grad_accum_steps": 2}},
         "accumulate": True,
     },
+    # Rows that train different numbers of tokens (1 to 15): the step's mean is over all of
+    # them, however the ranks and micro-batches split it.
+    "varied dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}}, "varied": True},
+    "varied dp_shard=2 accumulate 2": {
+        "sections": {"parallelism": {"dp_shard": 2}, "learner": {"grad_accum_steps": 2}},
+        "accumulate": True,
+        "varied": True,
+    },
+    "varied prompt_mean dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"aggregation": "prompt_mean"},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
+    "varied kl dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"kl_to_ref_coeff": 0.1},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
 }
 WORLD4 = {
     "dp_shard=2 x tp=2": {"sections": {"parallelism": {"dp_shard": 2, "tp": 2}}},
+    "varied dp_shard=2 x tp=2 accumulate 2": {
+        "sections": {"parallelism": {"dp_shard": 2, "tp": 2}, "learner": {"grad_accum_steps": 2}},
+        "accumulate": True,
+        "varied": True,
+    },
+    "varied HSDP 2x2": {
+        "sections": {"parallelism": {"dp_replicate": 2, "dp_shard": 2}},
+        "varied": True,
+    },
+    "varied prompt_mean HSDP 2x2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_replicate": 2, "dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"aggregation": "prompt_mean"},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
     "qwen3 dp_shard=2 x tp=2": {
         "sections": {"parallelism": {"dp_shard": 2, "tp": 2}},
         "model": "qwen3",
@@ -45,9 +91,13 @@ WORLD4 = {
 }
 
 
-def local_run(model: str) -> dict:
-    learner = LocalLearner(tiny_config(model))
-    metrics = [dict(learner.update(batch).items()) for batch in batches(STEPS)]
+def local_run(model: str, varied: bool = False, loss: dict | None = None) -> dict:
+    """The one-process reference: one update per global batch."""
+    learner = LocalLearner(tiny_config(model, loss=loss or {}))
+    steps = batches(STEPS, varied=varied)
+    if learner.config.loss.kwargs.get("kl_to_ref_coeff"):
+        steps = [with_ref_log_probs(batch) for batch in steps]
+    metrics = [dict(learner.update(batch).items()) for batch in steps]
     return {
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
         "weights": dict(learner.get_weights(dtype=torch.float32).items()),
@@ -65,7 +115,19 @@ def qwen3_reference():
 
 
 def reference_for(layout: str, reference, qwen3_reference):
+    if layout.startswith("varied"):
+        return varied_reference(layout)
     return qwen3_reference if layout.startswith("qwen3") else reference
+
+
+VARIED_LOSSES = {"prompt_mean": {"aggregation": "prompt_mean"}, "kl": {"kl_to_ref_coeff": 0.1}}
+
+
+@functools.cache
+def varied_reference(layout: str) -> dict:
+    """The one-process run on the varied batches, with the layout's loss."""
+    loss = next((v for k, v in VARIED_LOSSES.items() if f" {k} " in f" {layout} "), {})
+    return local_run("llama3", varied=True, loss=loss)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +154,14 @@ def test_one_process_titan_learner_matches_local(reference):
         "llama3": {"sections": {}},
         "qwen3": {"sections": {}, "model": "qwen3"},
         "compiled": {"sections": {"compile": {"enable": True}}},
+        "varied accumulate 2": {
+            "sections": {"learner": {"grad_accum_steps": 2}},
+            "accumulate": True,
+            "varied": True,
+        },
     }
     [result] = run_world(1, run_layouts, layouts)
+    assert_matches(result["varied accumulate 2"], varied_reference("varied accumulate 2"))
     assert_matches(result["llama3"], reference)
     assert_matches(result["compiled"], reference)  # per-block torch.compile, HF names exported
     assert_matches(result["qwen3"], local_run("qwen3"))
@@ -105,13 +173,19 @@ def test_one_process_titan_learner_matches_local(reference):
 def test_two_process_layouts_match_local(world2, reference, qwen3_reference, layout):
     reference = reference_for(layout, reference, qwen3_reference)
     rank0, rank1 = world2
-    # With accumulation the stepping call reports its own micro-batch's loss, not the window's;
-    # the grad norm and the weights show the window equals one full batch.
-    compared = ("grad_norm",) if WORLD2[layout].get("accumulate") else COMPARED
+    # With accumulation the stepping call reports the whole window's loss terms.
+    compared = COMPARED + (("loss_kl_to_ref",) if " kl " in layout else ())
     assert_matches(rank0[layout], reference, compared)
     assert rank1[layout]["weights"] == {}, "get_weights() must be empty off rank 0"
     # every rank reports the same data-parallel-averaged metrics
     assert rank0[layout]["metrics"] == rank1[layout]["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in WORLD4 if name.startswith("varied")])
+def test_unequal_token_counts_on_four_processes_match_local(world4, layout):
+    assert_matches(world4[0][layout], varied_reference(layout))
+    assert all(rank[layout]["metrics"] == world4[0][layout]["metrics"] for rank in world4)
 
 
 @pytest.mark.slow

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDict
 
 from titan_learner.config.schema import Config
 from titan_learner.config.toml import config_from_dict
-from titan_learner.learner.batch import synthetic_batch
+from titan_learner.learner.batch import (
+    ASSISTANT_MASK_KEY,
+    LOG_PROBS_KEY,
+    REF_LOG_PROBS_KEY,
+    synthetic_batch,
+)
 
 VOCAB = 32
 SEQ_LEN = 16
@@ -35,6 +41,17 @@ def tiny_config(name: str = "llama3", **sections: dict) -> Config:
     return config_from_dict(data, source="tests")
 
 
-def batches(steps: int, batch_size: int = GLOBAL_BATCH, seed: int = 0):
+def batches(steps: int, batch_size: int = GLOBAL_BATCH, seed: int = 0, varied: bool = False):
+    """`steps` synthetic GRPO batches; varied=True: rows train different numbers of tokens."""
     generator = torch.Generator().manual_seed(seed)
-    return [synthetic_batch(batch_size, SEQ_LEN, VOCAB, generator) for _ in range(steps)]
+    return [
+        synthetic_batch(batch_size, SEQ_LEN, VOCAB, generator, varied=varied) for _ in range(steps)
+    ]
+
+
+def with_ref_log_probs(batch: TensorDict) -> TensorDict:
+    """The batch with reference log-probs for a KL-to-reference loss (a fixed function of it)."""
+    out = batch.clone()
+    assistant = batch.get(ASSISTANT_MASK_KEY)
+    out.set(REF_LOG_PROBS_KEY, torch.where(assistant, batch.get(LOG_PROBS_KEY) * 0.9 - 0.05, 0.0))
+    return out

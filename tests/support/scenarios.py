@@ -9,28 +9,40 @@ from typing import Any
 
 import torch
 
-from tests.support.models import batches, tiny_config
+from tests.support.models import batches, tiny_config, with_ref_log_probs
+from titan_learner.learner.normalization import step_counts
 from titan_learner.learner.titan import TitanLearner
 
 STEPS = 3
 
 
 def train_layout(
-    sections: dict, steps: int = STEPS, accumulate: bool = False, model: str = "llama3"
+    sections: dict,
+    steps: int = STEPS,
+    accumulate: bool = False,
+    model: str = "llama3",
+    varied: bool = False,
 ) -> dict[str, Any]:
     """STEPS updates on the shared synthetic batches; metrics on every rank, weights on rank 0.
 
-    accumulate=True feeds each global batch as two half-batches with grad_accum_steps=2.
+    accumulate=True feeds each rank's batch as two micro-batches with grad_accum_steps=2 (of
+    unequal sizes, 1/4 and 3/4 of the rows, when varied); varied=True: rows train different
+    numbers of tokens (`synthetic_batch(varied=True)`), and every micro-batch gets the
+    window's `step_counts`.
     """
     config = tiny_config(model, **sections)
     learner = TitanLearner.from_config(config)
+    needs_ref = bool(config.loss.kwargs.get("kl_to_ref_coeff"))
     metrics = []
-    for batch in batches(steps):
-        local = learner.local_batch(batch)
+    for batch in batches(steps, varied=varied):
+        local = learner.local_batch(with_ref_log_probs(batch) if needs_ref else batch)
         if accumulate:
-            half = local.batch_size[0] // 2
-            learner.update(local[:half])
-            metrics.append(dict(learner.update(local[half:]).items()))
+            cut = max(1, local.batch_size[0] // 4) if varied else local.batch_size[0] // 2
+            micros = [local[:cut], local[cut:]]
+            counts = step_counts(micros) if varied else None
+            for micro in micros:
+                out = learner.update(micro, step_counts=counts)
+            metrics.append(dict(out.items()))
         else:
             metrics.append(dict(learner.update(local).items()))
     weights = learner.get_weights(dtype=torch.float32)

@@ -113,6 +113,7 @@ def grpo_step(
     """
     from titan_learner.job.advantage import group_advantages
     from titan_learner.learner.batch import REF_LOG_PROBS_KEY
+    from titan_learner.learner.normalization import step_counts
 
     rollout_cfg = config.rollout
     dp = learner.capabilities.data_parallel_size
@@ -137,10 +138,12 @@ def grpo_step(
 
     start = time.perf_counter()
     metrics: dict[str, float] = {}
-    for micro in batch.chunk(config.learner.grad_accum_steps):
+    micros = batch.chunk(config.learner.grad_accum_steps)
+    counts = step_counts(micros)  # the step's loss is the mean over all of its tokens
+    for micro in micros:
         if reference is not None:  # a collective, per micro-batch (bounded like the update)
             micro.set(REF_LOG_PROBS_KEY, reference.log_probs(micro))
-        metrics = {k: float(v) for k, v in learner.update(micro).items()}
+        metrics = {k: float(v) for k, v in learner.update(micro, step_counts=counts).items()}
     update_s = time.perf_counter() - start
 
     start = time.perf_counter()

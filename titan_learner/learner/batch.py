@@ -101,19 +101,30 @@ def check_batch(
 
 
 def synthetic_batch(
-    batch_size: int, seq_len: int, vocab_size: int, generator: torch.Generator
+    batch_size: int,
+    seq_len: int,
+    vocab_size: int,
+    generator: torch.Generator,
+    varied: bool = False,
 ) -> TensorDict:
     """A well-formed random GRPO batch: left-padded prompts, responses, sampled log-probs.
 
-    Every row trains the same number of response tokens, so a data-parallel split of it has the
-    same token-mean loss as the whole (what parity tests compare).
+    varied=False: every row trains the same number of response tokens (seq_len // 2), so any
+    split of the rows has the same token mean as the whole. varied=True: real batches'
+    shape: each row has its own length (2..seq_len) and response length (1..its length - 1),
+    so rows, ranks and micro-batches train different numbers of tokens.
     """
-    response_len = max(1, seq_len // 2)
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
-    pad = torch.randint(0, seq_len - response_len, (batch_size,), generator=generator)
+    if varied:
+        real = torch.randint(2, seq_len + 1, (batch_size,), generator=generator)
+        response = (torch.rand(batch_size, generator=generator) * (real - 1)).long() + 1
+    else:
+        response = torch.full((batch_size,), max(1, seq_len // 2))
+        pad = torch.randint(0, seq_len - int(response[0]), (batch_size,), generator=generator)
+        real = seq_len - pad
     positions = torch.arange(seq_len).expand(batch_size, seq_len)
-    attention = positions >= pad.unsqueeze(1)
-    assistant = positions >= seq_len - response_len
+    attention = positions >= (seq_len - real).unsqueeze(1)
+    assistant = positions >= (seq_len - response).unsqueeze(1)
     tokens = torch.where(attention, tokens, 0)
     log_probs = -torch.rand(batch_size, seq_len, generator=generator) * 3.0
     log_probs = torch.where(assistant, log_probs, torch.nan)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,12 @@ from titan_learner.learner.guards import (
     reject_unsynchronized_loss_parameters,
 )
 from titan_learner.learner.losses import build_loss
+from titan_learner.learner.normalization import (
+    WindowMetrics,
+    check_counts,
+    micro_batch_counts,
+    term_kind,
+)
 from titan_learner.learner.optimizer import build_lr_scheduler, build_optimizer
 from titan_learner.learner.policy import TitanPolicy
 from titan_learner.learner.stepper import TitanOptimizationStepper
@@ -108,6 +115,12 @@ class Learner:
         self.step = 0
         self.policy_version = 0
         self.vocab_size = model.config.vocab_size
+        # update()'s normalization state (titan_learner.learner.normalization)
+        self._scales: dict[str, float] | None = None
+        self._terms: dict[str, torch.Tensor] = {}
+        self._window_totals: dict[str, float] | None = None
+        self._window_seen: dict[str, float] = {}
+        self._window = WindowMetrics()
 
     # -- construction -------------------------------------------------------------------------
 
@@ -150,34 +163,61 @@ class Learner:
                 f"(got {sorted(map(str, out.keys()))}); the learner trains on their sum"
             )
         total = sum(out.get(k) for k in loss_keys)
-        if total.dim() != 0:
+        if total.numel() != 1:
             raise ValueError(
                 f"the summed loss has shape {tuple(total.shape)}, not a scalar: the loss module "
                 "must reduce over the batch (e.g. reduction='mean' / aggregation='token_mean', "
                 "not 'none')"
             )
+        for key in loss_keys:  # TorchRL's prompt_mean reduces to shape [1]: one value all the same
+            out.set(key, out.get(key).reshape(()))
         finite = torch.isfinite(total.detach()).to(torch.int32).reshape(1)
         if dist.is_initialized() and self.capabilities.world_size > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not bool(finite.item()):
             for key in loss_keys:
                 out.set(key, out.get(key) * torch.nan)
+        if self._scales is not None:  # inside update: see titan_learner.learner.normalization
+            self._terms = {
+                k: out.get(k).detach().float().mean()
+                for k in out.keys()
+                if isinstance(k, str) and out.get(k).is_floating_point()
+            }
+            for key in loss_keys:
+                out.set(key, out.get(key) * self._scales[term_kind(self.loss_module, key)])
         return out
 
     # -- the contract -------------------------------------------------------------------------
 
-    def update(self, batch: TensorDictBase) -> TensorDict:
+    def update(
+        self, batch: TensorDictBase, *, step_counts: Mapping[str, float] | None = None
+    ) -> TensorDict:
         """One micro-batch: forward, backward and, at the end of an accumulation window, a step.
 
-        Returns detached scalar metrics averaged over data-parallel ranks; `grad_norm` and `lr`
-        appear only on calls that closed a window. Every rank must call it.
+        The step's loss is the mean over all of its tokens (or rows, for `prompt_mean`), across
+        micro-batches and data-parallel ranks: it equals the one-process loss on the
+        concatenated batch (titan_learner.learner.normalization). With gradient accumulation,
+        pass every micro-batch of the window the same `step_counts` (this rank's counts over
+        the whole window: `normalization.step_counts(micro_batches)`); without them each
+        micro-batch is normalized over its own tokens on every rank, which is exact when the
+        window is one micro-batch (`grad_accum_steps = 1`).
+
+        Returns detached scalar metrics over data-parallel ranks, for the window so far: on
+        the call that closes it, the whole step's loss terms (token- or row-weighted like
+        the loss) and token-weighted diagnostics. `grad_norm` and `lr` appear only on calls
+        that closed a window. Every rank must call it.
         """
         needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
         batch = check_batch(batch, self.vocab_size, needs_ref).to(self.device)
+        counts = micro_batch_counts(batch)
+        self._scales = self._normalize(counts, step_counts)
         self.model.train()
         steps_before = getattr(self.stepper, "optimizer_step_count", None)
         lr = self.lr_scheduler.schedulers[0].get_last_lr()[0]  # the rate this step applies
-        metrics = self.stepper._step(self, batch)
+        try:
+            metrics = self.stepper._step(self, batch)
+        finally:
+            self._scales = None
         if steps_before is None:  # a stepper without a counter steps on every call it reports
             stepped = "grad_norm" in metrics.keys()
         else:
@@ -187,32 +227,60 @@ class Learner:
             if self.lr_scheduler.schedulers[0].last_epoch < self.config.run.steps:
                 self.lr_scheduler.step()
             self.policy_version += 1
-        if stepped or self._window_position() == 0:  # stepped, or dropped for a non-finite loss
+        window_over = stepped or self._window_position() == 0  # stepped, or dropped
+        if window_over:
             self.step += 1
-        metrics = self._average_over_data_parallel(metrics)
-        if "grad_norm" in metrics.keys():
-            metrics["lr"] = torch.tensor(lr)
-        metrics["skipped_nonfinite_steps"] = torch.tensor(
+        out = self._window.metrics(self._terms, counts, self.loss_module, self._reduce_sum)
+        if window_over:
+            self._window = WindowMetrics()
+        if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
+            out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
+            out["lr"] = torch.tensor(lr)
+        out["skipped_nonfinite_steps"] = torch.tensor(
             getattr(self.stepper, "skipped_nonfinite_steps", 0)
         )
-        return metrics
+        return out
+
+    def _normalize(
+        self, counts: dict[str, float], step_counts: Mapping[str, float] | None
+    ) -> dict[str, float]:
+        """Each count kind's loss scale for this micro-batch (see learner.normalization)."""
+        accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
+        position = self._window_position()
+        if step_counts is None:
+            totals = {k: v * accumulation for k, v in self._reduce_sum(counts).items()}
+            self._window_totals = None
+        else:
+            local = check_counts(step_counts)
+            if position == 0 or self._window_totals is None:
+                self._window_totals = self._reduce_sum(local)
+                self._window_seen = dict.fromkeys(local, 0.0)
+            for kind, count in counts.items():
+                self._window_seen[kind] += count
+            if position == accumulation - 1 and self._window_seen != local:
+                seen = self._window_seen
+                self._window_totals = None
+                raise ValueError(
+                    f"step_counts {local} do not describe the micro-batches of this window, "
+                    f"which held {seen}: pass every micro-batch of a window the same "
+                    "step_counts(micro_batches), computed from all of them"
+                )
+            totals = self._window_totals
+        size = self.capabilities.data_parallel_size * accumulation
+        return {k: size * counts[k] / totals[k] if totals[k] > 0 else 0.0 for k in counts}
+
+    def _reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """`values` summed over data-parallel ranks (one all-reduce; a no-op on one rank)."""
+        if self.data_parallel_group is None:
+            return dict(values)
+        stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+        return dict(zip(values, stacked.tolist(), strict=True))
 
     def _window_position(self) -> int:
         """Micro-batches into the current accumulation window (0: the window just closed)."""
         micro_step = getattr(self.stepper, "micro_step", 0)
         return micro_step % getattr(self.stepper, "gradient_accumulation_steps", 1)
-
-    def _average_over_data_parallel(self, metrics: TensorDictBase) -> TensorDict:
-        keys = [k for k in metrics.keys() if k != "grad_norm"]
-        values = torch.stack([metrics.get(k).detach().float().cpu() for k in keys])
-        if self.data_parallel_group is not None:
-            values = values.to(self.device)
-            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
-            values = values.cpu() / dist.get_world_size(self.data_parallel_group)
-        out = TensorDict({k: v for k, v in zip(keys, values, strict=False)}, batch_size=[])
-        if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
-            out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
-        return out
 
     def iter_weights(
         self,
@@ -335,6 +403,7 @@ class Learner:
         if hasattr(self.stepper, "load_counters") and counters:
             self.stepper.load_counters(counters)
         self.optimizer.zero_grad(set_to_none=True)
+        self._window, self._window_totals = WindowMetrics(), None
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
 

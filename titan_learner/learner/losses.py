@@ -1,11 +1,13 @@
 """The [loss] section built: TorchRL's own loss class over the learner's policy.
 
 Which class a name means, and the check of its keyword arguments, are config validation
-(`titan_learner.config.validate`); this module only instantiates it.
+(`titan_learner.config.validate`); this module instantiates it, with one change of
+normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from titan_learner.config.errors import ConfigError
@@ -21,12 +23,38 @@ if TYPE_CHECKING:
 LOSS_DEFAULTS: dict[str, Any] = {"masking_strategy": "rlhf"}
 
 
+class TokenMeanKL:
+    """The KL penalties (to the reference, to the inference policy) as token means.
+
+    TorchRL 0.14.1 averages them over every position of the padded `[B, T]` batch, padding
+    counted as zero, so their weight depends on how much padding a batch happens to have and a
+    split batch (data-parallel ranks, micro-batches) cannot add up to the whole. Rescaled by
+    positions / trained tokens they become the mean over the response tokens, like the
+    objective: the coefficient means the same on any batch layout.
+    """
+
+    def _kl_to_ref(self, tensordict: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        loss, penalty = super()._kl_to_ref(tensordict, *args, **kwargs)  # type: ignore[misc]
+        mask = kwargs.get("mask")
+        if mask is None:
+            return loss, penalty
+        positions = tensordict.get("_cur_log_prob").numel()
+        scale = positions / mask.sum().clamp_min(1)
+        return loss * scale, penalty * scale
+
+
+@functools.cache
+def with_token_mean_kl(cls: type) -> type:
+    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`; the same class on every call."""
+    return type(cls.__name__, (TokenMeanKL, cls), {"__module__": __name__})
+
+
 def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
     """Instantiate the TorchRL loss over `actor` with the configured keyword arguments."""
     kwargs = {**LOSS_DEFAULTS, **section.kwargs}
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
     try:
-        return loss_class(section.name)(actor, **kwargs)
+        return with_token_mean_kl(loss_class(section.name))(actor, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err

@@ -1,0 +1,115 @@
+"""A step's loss is the mean over all of its tokens (or rows), however it is split.
+
+Rows here train 1 to 15 response tokens. One optimizer step over micro-batches of unequal sizes
+must equal the one-process step on the whole batch, for each aggregation TorchRL's GRPO-family
+losses offer, with the entropy bonus and the KL to a reference. (Splits over data-parallel
+ranks: tests/integration/test_parity.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.models import batches, tiny_config, with_ref_log_probs
+from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, REF_LOG_PROBS_KEY
+from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.normalization import micro_batch_counts, step_counts
+
+TOL = 1e-5
+F32 = torch.float32
+LOSSES = {
+    "token_mean": {},
+    "prompt_mean": {"aggregation": "prompt_mean"},
+    "token_mean with KL": {"kl_to_ref_coeff": 0.1},
+    "dapo": {"clip_epsilon": [0.2, 0.28]},
+}
+
+
+def varied_batch(loss: dict):
+    batch = batches(1, varied=True)[0]
+    return with_ref_log_probs(batch) if "kl_to_ref_coeff" in loss else batch
+
+
+def learner(loss: dict, accumulate: int = 1) -> LocalLearner:
+    name = "dapo" if "clip_epsilon" in loss else "grpo"
+    return LocalLearner(
+        tiny_config(
+            loss={"name": name, **loss},
+            learner={"clip_norm": 0.0, "grad_accum_steps": accumulate},
+        )
+    )
+
+
+def max_weight_difference(a: LocalLearner, b: LocalLearner) -> float:
+    wa, wb = a.get_weights(dtype=F32), b.get_weights(dtype=F32)
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa.keys())
+
+
+def test_the_fixture_trains_different_numbers_of_tokens_per_row():
+    tokens = batches(1, varied=True)[0].get(ASSISTANT_MASK_KEY).sum(1)
+    assert tokens.min() == 1 and tokens.max() >= 10 * tokens.min()
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("cut", [1, 3, 6])
+def test_accumulated_step_equals_the_whole_batch(name, cut):
+    loss = LOSSES[name]
+    batch = varied_batch(loss)
+    whole = learner(loss)
+    expected = whole.update(batch)
+    split = learner(loss, accumulate=2)
+    micros = [batch[:cut], batch[cut:]]
+    counts = step_counts(micros)
+    first = split.update(micros[0], step_counts=counts)
+    got = split.update(micros[1], step_counts=counts)
+    assert "grad_norm" not in first.keys() and "grad_norm" in got.keys()
+    assert max_weight_difference(whole, split) < TOL
+    for key in expected.keys():
+        if key.startswith("loss") or key == "grad_norm":
+            assert float(got[key]) == pytest.approx(float(expected[key]), abs=TOL), key
+
+
+def test_without_step_counts_each_micro_batch_is_normalized_alone():
+    """The documented fallback: one micro-batch's mean each, equally weighted (lr 1e-3 steps
+    the parameters whose gradient sign flips by 2e-3 against the whole batch's step)."""
+    batch = varied_batch({})
+    whole, split = learner({}), learner({}, accumulate=2)
+    whole.update(batch)
+    for micro in (batch[:3], batch[3:]):
+        split.update(micro)
+    assert max_weight_difference(whole, split) > 1e-4
+
+
+def test_step_counts_must_describe_the_window():
+    batch = varied_batch({})
+    split = learner({}, accumulate=2)
+    wrong = step_counts([batch[:3]])
+    split.update(batch[:3], step_counts=wrong)
+    with pytest.raises(ValueError, match=r"do not describe the micro-batches of this window"):
+        split.update(batch[3:], step_counts=wrong)
+    with pytest.raises(ValueError, match=r"step_counts must be a mapping with keys tokens, rows"):
+        split.update(batch[:3], step_counts={"tokens": 3})
+
+
+def test_counts_are_the_trained_tokens_rows_and_calls():
+    batch = varied_batch({})
+    counts = micro_batch_counts(batch)
+    trained = batch.get(ASSISTANT_MASK_KEY) & torch.isfinite(batch.get(LOG_PROBS_KEY))
+    assert counts == {"tokens": float(trained.sum()), "rows": 8.0, "calls": 1.0}
+    assert step_counts([batch[:3], batch[3:]]) == {**counts, "calls": 2.0}
+
+
+def test_kl_to_reference_is_a_mean_over_trained_tokens():
+    """TorchRL averages the KL penalty over every padded position; ours over response tokens."""
+    batch = varied_batch({"kl_to_ref_coeff": 0.1})
+    one = learner({"kl_to_ref_coeff": 0.1})
+    with torch.no_grad():
+        dist = one.policy.get_dist(batch, mask_key=ASSISTANT_MASK_KEY)
+        current = dist.log_prob(batch.get(("tokens", "full")))
+    mask = batch.get(ASSISTANT_MASK_KEY)
+    diff = (batch.get(REF_LOG_PROBS_KEY) - current)[mask]
+    expected = (diff.expm1() - diff).mean()
+    metrics = one.update(batch)
+    assert float(metrics["kl_to_ref"]) == pytest.approx(float(expected), rel=1e-4)
+    assert float(metrics["loss_kl_to_ref"]) == pytest.approx(0.1 * float(expected), rel=1e-4)
