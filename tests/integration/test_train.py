@@ -29,6 +29,7 @@ def short_run(
             "checkpoint.interval=0",
             "rollout.prompts_per_step=16",
             "rollout.group_size=8",
+            "eval.max_prompts=16",
             *overrides,
         ],
     )
@@ -51,9 +52,18 @@ def test_few_steps_on_one_process_write_metrics_and_curves(tmp_path):
         for key in ("reward_mean", "loss_objective", "grad_norm", "lr", "ESS", "clip_fraction"):
             assert key in metrics, key
         assert metrics["rollout_s"] > 0 and metrics["update_s"] > 0 and metrics["tokens_per_s"] > 0
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "training/reward_mean" in r]
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert lines[0]["training/reward_mean"] == pytest.approx(history[0]["reward_mean"])
+    # the eval split is scored before training and at the end, its completions kept to read
+    evals = [r for r in records if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    assert {"eval/reward_mean", "eval/pass@k", "eval/prompts"} <= set(evals[0])
+    assert (tmp_path / "eval" / "step_0.jsonl").exists() and (
+        tmp_path / "eval" / "step_3.jsonl"
+    ).exists()
+    assert "training/reward/sorted_mean" in lines[0] and "training/reward_errors" in lines[0]
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((tmp_path / "tensorboard").iterdir())
     # a weight push follows every update: the generator serves the new policy version
@@ -98,10 +108,13 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 
 
 BAD_JOBS = {
-    "unknown task": (["task.name=sorting"], "[task] name: unknown task 'sorting' (did you mean"),
-    "vocabulary mismatch": (
-        ["model.overrides.vocab_size=32"],
-        "[model.overrides] vocab_size: vocab_size = 32 but task 'sort' has a 14-token vocabulary",
+    "no prompts": (
+        ["data.train_files=[]"],
+        "[data] train_files: none given; allowed: one or more local JSONL, JSON or Parquet files",
+    ),
+    "vocabulary too small": (
+        ["model.overrides.vocab_size=12"],
+        "[tokenizer] path: the tokenizer has 14 tokens but the model's vocab_size is 12",
     ),
     "prompts not divisible": (
         ["rollout.prompts_per_step=3", "parallelism.dp_shard=2", "--world-size-2"],
@@ -136,3 +149,24 @@ def test_missing_config_exits_2_without_traceback():
     )
     assert result.returncode == 2
     assert result.stderr == "error: configs/nope.toml: file not found\n"
+
+
+def first_prompt_per_step(output_dir: Path) -> dict[int, str]:
+    """The first sampled prompt of every step (rank 0's slice starts the step's global list)."""
+    firsts: dict[int, str] = {}
+    for line in (output_dir / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        firsts.setdefault(record["step"], record["origin"])
+    return firsts
+
+
+@pytest.mark.slow
+def test_resume_on_another_data_parallel_size_sees_the_same_prompts(tmp_path):
+    """The data position travels in the checkpoint: 2 steps on one rank, resumed on dp_shard=2,
+    train on exactly the prompts of an uninterrupted one-rank run."""
+    overrides = ["checkpoint.interval=2", "run.log_samples_every=1"]
+    run_world(1, short_run, str(tmp_path / "whole"), 4, overrides)
+    run_world(1, short_run, str(tmp_path / "cut"), 2, overrides)
+    run_world(2, short_run, str(tmp_path / "cut"), 4, [*overrides, "parallelism.dp_shard=2"], True)
+    whole, cut = first_prompt_per_step(tmp_path / "whole"), first_prompt_per_step(tmp_path / "cut")
+    assert sorted(cut) == [1, 2, 3, 4] and cut == whole

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
+from tests.support.toy import EOS_ID, MAX_NEW, PAD_ID, VOCAB_SIZE, rewards_of, sample_prompts
 from titan_learner.job.advantage import group_advantages
-from titan_learner.job.tasks.registry import get_task
 from titan_learner.learner.batch import (
     ASSISTANT_MASK_KEY,
     ATTENTION_MASK_KEY,
@@ -24,29 +24,25 @@ from titan_learner.rollout.hf import HFGenerator
 from titan_learner.rollout.vllm import VLLMGenerator
 from titan_learner.weights.matching import WeightsError
 
-TASK = get_task("sort")
 G = 4
-MAX_NEW = TASK.max_new_tokens
 
 
 def tiny_llama_config() -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=TASK.vocab_size,
+        vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        eos_token_id=TASK.eos_id,
-        pad_token_id=TASK.pad_id,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
     )
 
 
 def new_generator(init_seed: int = 0) -> HFGenerator:
-    return HFGenerator(
-        tiny_llama_config(), eos_id=TASK.eos_id, pad_id=TASK.pad_id, init_seed=init_seed
-    )
+    return HFGenerator(tiny_llama_config(), eos_id=EOS_ID, pad_id=PAD_ID, init_seed=init_seed)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +51,7 @@ def hf() -> HFGenerator:
 
 
 def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
-    return TASK.sample_prompts(n, torch.Generator().manual_seed(seed))
+    return sample_prompts(n, torch.Generator().manual_seed(seed))
 
 
 def rollout(hf: HFGenerator, seed: int = 0, temperature: float = 1.0, n_prompts: int = 6):
@@ -65,7 +61,7 @@ def rollout(hf: HFGenerator, seed: int = 0, temperature: float = 1.0, n_prompts:
 
 
 def as_batch(r):
-    rewards = r.score(TASK.reward)
+    rewards = rewards_of(r)
     return r.to_batch(group_advantages(rewards, r.group_size), rewards)
 
 
@@ -98,10 +94,10 @@ def test_rollout_shapes_and_stopping(hf):
         length = int(r.completion_lengths[row])
         assert len(ids) == length >= 1
         if r.finished[row]:  # stopped at its first EOS
-            assert ids[-1] == TASK.eos_id and TASK.eos_id not in ids[:-1]
+            assert ids[-1] == EOS_ID and EOS_ID not in ids[:-1]
         else:  # ran out of tokens
-            assert length == MAX_NEW and TASK.eos_id not in ids
-        assert (r.completion_tokens[row, length:] == TASK.pad_id).all()
+            assert length == MAX_NEW and EOS_ID not in ids
+        assert (r.completion_tokens[row, length:] == PAD_ID).all()
         lps = r.completion_log_probs[row]
         assert torch.isfinite(lps[:length]).all() and (lps[:length] <= 0).all()
         assert lps[length:].isnan().all()
@@ -146,7 +142,7 @@ def test_to_batch_is_a_valid_learner_batch(hf):
         assert attention[row, length - len(real) :].all()
         assert response[row].sum() == len(completion) and response[row, -len(completion) :].all()
     assert attention[:, -1].all() and not attention[:, 0].all()  # ragged rows, left padding
-    torch.testing.assert_close(batch[REWARD_KEY], r.score(TASK.reward))
+    torch.testing.assert_close(batch[REWARD_KEY], rewards_of(r))
     assert batch[GROUP_ID_KEY].tolist() == r.group_ids.tolist()
 
 
@@ -161,7 +157,7 @@ def test_rollout_from_lists_matches(hf):
     lengths = r.completion_lengths.tolist()
     log_probs = [row[:n] for row, n in zip(r.completion_log_probs.tolist(), lengths, strict=True)]
     rebuilt = rollout_from_lists(
-        r.prompts, G, r.completion_ids, log_probs, TASK.eos_id, TASK.pad_id, r.weights_version
+        r.prompts, G, r.completion_ids, log_probs, EOS_ID, PAD_ID, r.weights_version
     )
     assert torch.equal(rebuilt.completion_tokens, r.completion_tokens)
     assert torch.equal(rebuilt.finished, r.finished)
@@ -239,8 +235,8 @@ def test_qwen3_with_tied_embeddings():
         head_dim=16,
         tie_word_embeddings=True,
     )
-    source = HFGenerator(config, eos_id=TASK.eos_id, pad_id=TASK.pad_id, init_seed=1)
-    target = HFGenerator(config, eos_id=TASK.eos_id, pad_id=TASK.pad_id, init_seed=2)
+    source = HFGenerator(config, eos_id=EOS_ID, pad_id=PAD_ID, init_seed=1)
+    target = HFGenerator(config, eos_id=EOS_ID, pad_id=PAD_ID, init_seed=2)
     # TorchTitan's qwen3 export has no lm_head key; a full state_dict has it as an alias
     named = [(k, v) for k, v in source.model.state_dict().items() if k != "lm_head.weight"]
     target.load_weights(named, version=1)
@@ -279,8 +275,8 @@ def test_vllm_generator_matches_the_embedded_one(tmp_path):
     reference.model.save_pretrained(tmp_path)
     engine = VLLMGenerator(
         str(tmp_path),
-        eos_id=TASK.eos_id,
-        pad_id=TASK.pad_id,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
         dtype=torch.float32,
         gpu_memory_utilization=0.2,
         enforce_eager=True,
@@ -317,7 +313,7 @@ def test_log_probs_match_the_learner_after_a_weight_push(name):
         {"model": {"name": name, "overrides": overrides}, "run": {"seed": 1}}, source="test"
     )
     learner = LocalLearner(config)
-    embedded = HFGenerator(hf_config(learner.spec), eos_id=TASK.eos_id, pad_id=TASK.pad_id)
+    embedded = HFGenerator(hf_config(learner.spec), eos_id=EOS_ID, pad_id=PAD_ID)
     embedded.load_weights(learner.get_weights(dtype=torch.float32).items(), version=1)
     batch = as_batch(rollout(embedded, seed=6, n_prompts=16))
     with torch.no_grad():

@@ -47,6 +47,8 @@ from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open
 from titan_learner.ranks import rank, world_size
 
 RNG_KEY = "rng"
+EXTRA_KEY = "extra"
+"""Plain values a caller saves beside the learner (the job's data position)."""
 DEFAULT_TIMEOUT_S = 1800.0
 """Long enough for the slowest rank's write of a large model: DCP's collectives wait for it."""
 
@@ -88,7 +90,8 @@ def _check_fits(path: Path, state: dict[str, Any], metadata: Metadata) -> None:
         there = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
         if here != there:
             mismatched.append(f"{key} ({_describe(there)} saved, {_describe(here)} here)")
-    extra = sorted(k for k in saved if k not in flat and not k.startswith(f"{RNG_KEY}."))
+    optional = (f"{RNG_KEY}.", f"{EXTRA_KEY}.")  # restored only when asked for
+    extra = sorted(k for k in saved if k not in flat and not k.startswith(optional))
     if missing or mismatched or extra:
         parts = [
             _listed(title, items)
@@ -123,8 +126,11 @@ def _state(learner: Checkpointable) -> dict[str, Any]:
     saves `rng.rank<r>.<device>`.
     """
     state = learner.checkpoint()
-    if RNG_KEY in state:
-        raise CheckpointError(f"Learner.checkpoint() returned a '{RNG_KEY}' entry; it is reserved")
+    for reserved in (RNG_KEY, EXTRA_KEY):
+        if reserved in state:
+            raise CheckpointError(
+                f"Learner.checkpoint() returned a '{reserved}' entry; it is reserved"
+            )
     state[RNG_KEY] = {_rank_key(rank()): _rng_states()}
     return state
 
@@ -184,6 +190,7 @@ def save(
     keep_latest_k: int = 0,
     asynchronous: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
+    extra: dict[str, Any] | None = None,
 ) -> SaveHandle:
     """Save `learner` at its current step into `directory/step-<step>` (a collective).
 
@@ -199,6 +206,10 @@ def save(
     timeout: seconds any checkpoint collective may wait for the other ranks, including for the
     slowest rank's write; a rank that never calls save ends the job after it with
     CheckpointTimeoutError naming the operation.
+
+    extra: plain values (ints, floats, strings, nested dicts of them) saved beside the learner,
+    the same on every rank (e.g. the job's data position); `load(..., extra=template)` reads
+    them back.
     """
     _check_options(keep_latest_k, timeout)
     async_save.wait_for_pending_save()
@@ -208,6 +219,8 @@ def save(
     join(group, timeout, operation)
     on_rank0(group, operation, lambda: prepare(root, step))
     state = _state(learner)
+    if extra:
+        state[EXTRA_KEY] = extra
     writer = FileSystemWriter(tmp_dir(root, step))
     no_dist = group is None
     commit_step = lambda: commit(root, step, keep_latest_k)  # noqa: E731
@@ -239,6 +252,7 @@ def load(
     *,
     step: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Restore `learner` from the checkpoint `latest` names (or `step`) in `directory`.
 
@@ -246,6 +260,9 @@ def load(
     pieces of every saved shard that overlap its own. Before reading any tensor, the
     checkpoint's metadata is checked against this learner: missing, mismatched or extra keys
     raise CheckpointError listing them. Returns the step directory loaded.
+
+    extra: a dict shaped like the one `save` was given; its values are replaced in place by
+    the saved ones (a checkpoint without them raises CheckpointError naming the keys).
     """
     _check_options(0, timeout)
     async_save.wait_for_pending_save()
@@ -256,6 +273,8 @@ def load(
     path, metadata = everywhere(group, operation, lambda: open_step(root, step))
     operation = f"checkpoint load of {path}"
     state = _template(learner, metadata)
+    if extra:
+        state[EXTRA_KEY] = extra  # filled in place with the saved values
     everywhere(group, operation, lambda: _check_fits(path, state, metadata))
     with dcp_call(operation, group is None):
         dcp.load(
@@ -266,6 +285,7 @@ def load(
             no_dist=group is None,
         )
     rng = state.pop(RNG_KEY, None)
+    state.pop(EXTRA_KEY, None)
     learner.load_checkpoint(state)
     _restore_rng(rng)
     return path

@@ -87,6 +87,16 @@ def console() -> None:
     sys.exit(main())
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """What `train` reports as one line and exit 2: bad config, data, rewards, checkpoint."""
+    from titan_learner.checkpoint.errors import CheckpointError
+    from titan_learner.data.errors import DataError
+    from titan_learner.rewards.loading import RewardLoadError
+    from titan_learner.rewards.runner import RewardError
+
+    return (ConfigError, DataError, RewardError, RewardLoadError, CheckpointError)
+
+
 def _error(err: Exception) -> int:
     print(f"error: {err}", file=sys.stderr)
     return USER_ERROR
@@ -100,7 +110,7 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         run(load_config(args.config, args.overrides), resume=args.resume)
-    except ConfigError as err:
+    except _user_errors() as err:
         return _error(err)
     finally:
         if dist.is_initialized():

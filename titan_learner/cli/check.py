@@ -26,9 +26,7 @@ class Plan:
 
 
 def plan(config: Config, world_size: int) -> Plan:
-    # job=False: the GPU configs do not describe a complete GRPO job yet (their task, data and
-    # reward come with the real-runs work); `train` runs the job checks.
-    validated = validate(config, world_size, on_this_machine=False, job=False)
+    validated = validate(config, world_size, on_this_machine=False)
     shards = validated.dp_shard * validated.tp
     master = 4 * validated.parameters // shards  # fp32 sharded parameters (FSDP's masters)
     moments = 2 * master  # Adam/AdamW exp_avg and exp_avg_sq

@@ -7,8 +7,11 @@ the command line prints it as one `error:` line and exits 2.
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from pathlib import Path
+
+_ARRAY_ITEM = re.compile(r"(\w+)\[(\d+)\]")
 
 
 class ConfigError(ValueError):
@@ -30,9 +33,23 @@ def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
 
 
 def describe_location(path: tuple[str, ...]) -> str:
-    """`[section] key` for a key, `[section]` for a table."""
+    """`[section] key` for a key, `[section]` for a table, `[[reward]] #2 key` in an array."""
     if not path:
         return ""
+    array = _ARRAY_ITEM.fullmatch(path[0])
+    if array:
+        table = f"[[{array.group(1)}]] #{int(array.group(2)) + 1}"
+        return " ".join([table, *path[1:]]) if len(path) <= 2 else f"{table} {'.'.join(path[1:])}"
     if len(path) == 1:
         return f"[{path[0]}]"
     return f"[{'.'.join(path[:-1])}] {path[-1]}"
+
+
+def describe_table(path: tuple[str, ...]) -> str:
+    """`[model.overrides]` for a table, `[[reward]] #2` for an entry of an array of tables."""
+    if not path:
+        return ""
+    array = _ARRAY_ITEM.fullmatch(path[-1])
+    if array and len(path) == 1:
+        return f"[[{array.group(1)}]] #{int(array.group(2)) + 1}"
+    return f"[{'.'.join(path)}]"

@@ -127,8 +127,68 @@ class RolloutSection:
 
 
 @dataclass
-class TaskSection:
-    name: str = "sort"
+class TokenizerSection:
+    path: str | None = None
+    """A directory with tokenizer.json / tokenizer_config.json; default: [model] hf_checkpoint.
+    Relative paths (here and in [data], [[reward]]) are relative to the config file."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's own chat template (an error if it has none); none: the prompt text
+    as is (the tokenizer adds its special tokens); or a .jinja file."""
+    skip_special_tokens: bool = True
+    """Drop special tokens when completions are decoded for rewards and logs."""
+
+
+@dataclass
+class DataSection:
+    train_files: list[str] = field(default_factory=list)
+    """Local JSONL, JSON (an array of objects) or Parquet files of prompts."""
+    eval_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    """The column holding the prompt text (rendered as one user message)."""
+    messages_key: str | None = None
+    """Instead of prompt_key: a column holding a chat, [{"role": ..., "content": ...}, ...]."""
+    answer_key: str = "answer"
+    """The column rewards compare against (any value; rows without it are an error)."""
+    system_prompt: str | None = None
+    max_prompt_tokens: int = field(default=1024, metadata=POSITIVE)
+    overlong: Literal["error", "skip"] = "error"
+    """A prompt longer than max_prompt_tokens: stop with its row number, or skip it (counted)."""
+
+
+@dataclass
+class RewardSection:
+    function: str = ""
+    """A built-in (math, exact_match, regex) or a user function "file.py:name" /
+    "package.module:name" with signature score(prompt: str, completion: str, row: dict) -> float."""
+    name: str | None = None
+    """Its name in the metrics (training/reward/<name>_mean); default: the function's."""
+    weight: float = 1.0
+    timeout_s: float = field(default=10.0, metadata={"min": 0.001})
+    on_error: Literal["raise", "zero"] = "raise"
+    """raise: a reward that raises, hangs or returns a non-finite value stops the job with one
+    line; zero: it scores 0 and is counted in training/reward_errors."""
+    pattern: str | None = None
+    """regex only: the pattern the completion must match."""
+    mode: Literal["search", "fullmatch"] = "search"
+    """regex only: anywhere in the completion, or the whole completion."""
+    credit: float = 1.0
+    """regex only: the reward of a match (e.g. 0.1 for a format reward)."""
+
+
+@dataclass
+class EvalSection:
+    every_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    """With eval_files: evaluate at step 0, every N steps (0: only then and at the end), and at
+    the end."""
+    samples_per_prompt: int = field(default=4, metadata=POSITIVE)
+    """k: pass@k is estimated from k samples per prompt."""
+    temperature: float = field(default=1.0, metadata={"min": 0.0})
+    max_new_tokens: int = field(default=0, metadata=NON_NEGATIVE)
+    """0: [rollout] max_new_tokens."""
+    max_prompts: int = field(default=0, metadata=NON_NEGATIVE)
+    """0: every eval prompt."""
+    pass_threshold: float = 1.0
+    """A sample passes when its total reward reaches this."""
 
 
 @dataclass
@@ -148,6 +208,8 @@ class RunSection:
     """Sequences per rank per update of the benchmarks' synthetic batches (scripts/bench_*.py);
     the GRPO job sizes its batches from [rollout]."""
     seq_len: int = field(default=32, metadata={"min": 2})
+    log_samples_every: int = field(default=10, metadata=NON_NEGATIVE)
+    """Every N steps, a few (prompt, completion, rewards) rows to samples.jsonl (0: never)."""
 
 
 @dataclass
@@ -163,10 +225,15 @@ class Config:
     learner: LearnerSection = field(default_factory=LearnerSection)
     loss: LossSection = field(default_factory=LossSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    task: TaskSection = field(default_factory=TaskSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: list[RewardSection] = field(default_factory=list)
+    eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
     source: str = "<config>"
 
 
 SECTIONS = tuple(name for name in Config.__dataclass_fields__ if name != "source")
+ARRAY_SECTIONS = ("reward",)
+"""Sections written as arrays of tables ([[reward]])."""

@@ -13,7 +13,12 @@ import types
 import typing
 from typing import Any, Literal
 
-from titan_learner.config.errors import ConfigError, describe_location, did_you_mean
+from titan_learner.config.errors import (
+    ConfigError,
+    describe_location,
+    describe_table,
+    did_you_mean,
+)
 
 
 def _type_name(tp: Any) -> str:
@@ -30,6 +35,11 @@ def _type_name(tp: Any) -> str:
         return "an array of " + ", ".join(_type_name(a) for a in args)
     if origin is dict:
         return "a table"
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item):
+            return "an array of tables"
+        return f"an array of {_type_name(item).removeprefix('a ').removeprefix('an ')}s"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -74,6 +84,13 @@ def _convert(value: Any, tp: Any, path: tuple[str, ...], source: str) -> Any:
         if not isinstance(value, dict):
             fail("a table")
         return dict(value)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            fail(_type_name(tp))
+        return [
+            _convert(v, item, (*path[:-1], f"{path[-1]}[{i}]"), source) for i, v in enumerate(value)
+        ]
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             fail(f"a [{'.'.join(path)}] table")
@@ -129,7 +146,7 @@ def build_dataclass(cls: type, data: dict[str, Any], *, path: tuple[str, ...], s
             raise ConfigError(
                 f"unknown key '{key}'{did_you_mean(key, fields)}; allowed keys: {known}",
                 source=source,
-                where=f"[{'.'.join(path)}]" if path else "",
+                where=describe_table(path),
             )
     kwargs = {}
     for name, value in data.items():

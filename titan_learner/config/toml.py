@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_learner.config.errors import ConfigError, describe_location, did_you_mean
-from titan_learner.config.schema import SECTIONS, Config
+from titan_learner.config.schema import ARRAY_SECTIONS, SECTIONS, Config
 from titan_learner.config.tables import build_dataclass
 from titan_learner.config.validate import validate_fields
 from titan_learner.files import atomic_write_text
@@ -60,7 +60,12 @@ def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
                 f"allowed sections: {', '.join(SECTIONS)}",
                 source=source,
             )
-        if not isinstance(data[section], dict):
+        if section in ARRAY_SECTIONS:
+            if not isinstance(data[section], list):
+                raise ConfigError(
+                    f"[{section}] must be an array of tables, written [[{section}]]", source=source
+                )
+        elif not isinstance(data[section], dict):
             raise ConfigError(f"[{section}] must be a table", source=source)
     loss_table = dict(data.get("loss", {}))
     loss_name = loss_table.pop("name", "grpo")
@@ -111,7 +116,8 @@ _ESCAPES = {
 def config_to_toml(config: Config) -> str:
     """The config as TOML that `load_config` reads back to an equal Config (`source` aside).
 
-    One table per section in schema order, then its sub-tables; `[loss]` holds `name` and the
+    One table per section in schema order, then its sub-tables (`[[reward]]` once per entry);
+    `[loss]` holds `name` and the
     loss keyword arguments as plain keys, as a user writes them. TOML has no null: a None is left
     out, which reads back as the field's default, so a None whose default is not None (set from
     Python) raises ValueError instead of changing meaning.
@@ -121,6 +127,11 @@ def config_to_toml(config: Config) -> str:
         section = getattr(config, name)
         if name == "loss":
             table = {"name": section.name, **_plain(section.kwargs, ("loss",))}
+        elif isinstance(section, list):  # an array of tables: [[reward]]
+            for i, item in enumerate(section):
+                block = _toml_table(name, _plain(item, (f"{name}[{i}]",)))
+                tables.append("[" + block.replace("]", "]]", 1))
+            continue
         else:
             table = _plain(section, (name,))
         tables.append(_toml_table(name, table))

@@ -4,7 +4,8 @@ Two levels:
 - `validate_fields(config)`: what the file alone decides (cross-field rules, the loss's keyword
   arguments). `load_config` runs it, so a Config that exists has passed it.
 - `validate(config, world_size)`: everything a run needs on top: the layout against the world
-  size, the job, the device and attention backend this machine has, the Hugging Face checkpoint
+  size, the job (`titan_learner.job.checks`: data files and their keys, the tokenizer, the
+  rewards), the device and attention backend this machine has, the Hugging Face checkpoint
   directory, and the model shape (flavor, overrides, heads divisible by tp) from a build on the
   meta device. `train` and `check` both run it, so `check` never approves what `train` rejects.
 
@@ -18,7 +19,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.schema import Config, LossSection
@@ -56,7 +57,9 @@ def validate(
     validate_fields(config)
     dp_replicate, dp_shard, tp = check_world_size(config, world_size)
     if job:
-        check_job(config, world_size)
+        from titan_learner.job.checks import check_job_structure
+
+        check_job_structure(config, dp_replicate * dp_shard)
     warnings: list[str] = []
 
     def machine_check(check: Callable[[], T], otherwise: Callable[[], T]) -> T:
@@ -73,6 +76,11 @@ def validate(
         lambda: attention_backend(config, device), lambda: config.model.attention
     )
     machine_check(lambda: require_hf_checkpoint(config), lambda: None)
+    parameters, vocab = check_model_shape(config)
+    if job:
+        from titan_learner.job.checks import check_job_inputs
+
+        check_job_inputs(config, lambda check: machine_check(check, lambda: None), vocab)
     return Validated(
         world_size=world_size,
         dp_replicate=dp_replicate,
@@ -80,7 +88,7 @@ def validate(
         tp=tp,
         device_type=device,
         attention=attention,
-        parameters=check_model_shape(config),
+        parameters=parameters,
         warnings=warnings,
     )
 
@@ -160,53 +168,6 @@ def check_world_size(config: Config, world_size: int) -> tuple[int, int, int]:
     return p.dp_replicate, dp_shard, p.tp
 
 
-def check_job(config: Config, world_size: int) -> Any:
-    """The GRPO job's own rules: task, vocabulary, prompts per rank, generator; returns the task."""
-    from titan_learner.job.tasks.registry import TASKS
-
-    where = config.source
-    if config.task.name not in TASKS:
-        raise ConfigError(
-            f"unknown task '{config.task.name}'{did_you_mean(config.task.name, TASKS)}; "
-            f"allowed: {', '.join(TASKS)}",
-            source=where,
-            where="[task] name",
-        )
-    task = TASKS[config.task.name]
-    vocab = config.model.overrides.vocab_size
-    if vocab != task.vocab_size:
-        raise ConfigError(
-            f"vocab_size = {vocab} but task '{task.name}' has a {task.vocab_size}-token vocabulary; "
-            f"allowed: {task.vocab_size} (the generator and the learner share the task's tokenizer)",
-            source=where,
-            where="[model.overrides] vocab_size",
-        )
-    dp_replicate, dp_shard, _ = check_world_size(config, world_size)
-    dp = dp_replicate * dp_shard
-    if config.rollout.prompts_per_step % dp:
-        raise ConfigError(
-            f"{config.rollout.prompts_per_step} prompts do not split over {dp} data-parallel "
-            f"ranks; allowed: a multiple of {dp}",
-            source=where,
-            where="[rollout] prompts_per_step",
-        )
-    per_rank = config.rollout.prompts_per_step // dp
-    if per_rank % config.learner.grad_accum_steps:
-        raise ConfigError(
-            f"{per_rank} prompts per rank do not split into {config.learner.grad_accum_steps} "
-            "micro-batches of whole groups; allowed: grad_accum_steps dividing prompts per rank",
-            source=where,
-            where="[learner] grad_accum_steps",
-        )
-    if config.rollout.generator == "vllm" and not config.rollout.model_path:
-        raise ConfigError(
-            "the vllm generator needs model_path (an HF directory the engines start from)",
-            source=where,
-            where="[rollout] model_path",
-        )
-    return task
-
-
 # -- this machine ---------------------------------------------------------------------------------
 
 
@@ -263,12 +224,13 @@ def require_hf_checkpoint(config: Config) -> None:
         raise ConfigError(problem, source=config.source, where="[model] hf_checkpoint")
 
 
-def check_model_shape(config: Config) -> int:
-    """Build the model on the meta device (flavor, overrides, heads against tp); its size."""
+def check_model_shape(config: Config) -> tuple[int, int]:
+    """Build the model on the meta device (flavor, overrides, heads against tp); its
+    parameter count and vocabulary size."""
     from titan_learner.model.parallelize import prepare_model_config
     from titan_learner.model.spec import build_meta, model_spec
 
     spec = model_spec(config.model, "sdpa", config.source)
     prepare_model_config(spec, config)
     model = build_meta(spec, config.source)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters()), spec.model.vocab_size

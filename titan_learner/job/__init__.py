@@ -1,2 +1,2 @@
-"""The GRPO job: the loop (`grpo`), group advantages, the frozen reference model, telemetry and
-the built-in tasks."""
+"""The GRPO job: the loop (`grpo`), its checks (`checks`), evaluation, group advantages, the
+frozen reference model, telemetry and the job's collectives."""

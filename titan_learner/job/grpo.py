@@ -1,13 +1,14 @@
-"""The GRPO job: `python -m titan_learner train --config FILE [--set k=v ...] [--resume]`.
+"""The GRPO job: `titan-learner train --config FILE [--set k=v ...] [--resume]`.
 
-Prompts -> G sampled completions per prompt (with behaviour log-probs) -> rewards -> group
-advantages -> `learner.update` -> new weights to the generator, repeated `[run] steps` times.
-The same command runs alone or under `torchrun --nproc-per-node N` (any number of nodes).
+Each step: the loader's prompts -> G sampled completions per prompt (with behaviour log-probs)
+-> the configured rewards on the decoded completions -> group advantages -> `learner.update` ->
+new weights to the generator; evaluation at step 0, every `[eval] every_steps` and at the end;
+checkpoints with the data position. The same command runs alone or under torchrun.
 
-Which rank does what: every rank samples the same global prompts from the run seed and keeps its
-data-parallel slice; ranks of one tensor-parallel group hold the same slice and, seeded alike,
-sample the same completions, so they pass the same batch to `update`. Each rank owns an embedded
-generator that receives the learner's full weights after every step.
+Which rank does what: every rank builds the same global prompts of a step and keeps its
+data-parallel slice; ranks of one tensor-parallel group hold the same slice and train on their
+first rank's rollout. Each rank owns an embedded generator that receives the learner's full
+weights after every step. Rank 0 writes telemetry, samples and eval completions.
 """
 
 from __future__ import annotations
@@ -19,48 +20,65 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from titan_learner.config.schema import Config
 from titan_learner.config.validate import validate
-from titan_learner.job.tasks.registry import get_task
+from titan_learner.data.loader import Prompt, PromptLoader, load_prompts, rank_slice
+from titan_learner.data.tokenizer import PromptTokenizer, load_tokenizer
+from titan_learner.job.collectives import gather_over, same_within_group
+from titan_learner.job.scoring import score_rollout
+from titan_learner.ranks import rank
+from titan_learner.rewards.runner import Reward, build_rewards
 
 BUCKET_BYTES = 64 * 1024**2
+SAMPLES_PER_LOG = 4
 
 
 @dataclass(frozen=True)
-class StepRngs:
-    """The job's random streams for one step, derived from (seed, step, data-parallel rank).
+class JobInputs:
+    """Everything read from disk before any compute: tokenizer, prompts, rewards."""
 
-    Nothing to checkpoint: a resumed run re-derives exactly the streams it would have had.
-    Prompts depend on the step only (every rank draws the same global prompts); sampling also
-    on the data-parallel rank (tensor-parallel peers share it, so they sample alike).
-    """
-
-    prompts: torch.Generator
-    sampling: torch.Generator
-
-    @classmethod
-    def for_step(
-        cls, seed: int, step: int, data_parallel_rank: int, device: torch.device
-    ) -> StepRngs:
-        """Sampling draws on the generator's device (a CUDA generator for a CUDA model)."""
-        base = seed * 1_000_003 + step
-        sampling = torch.Generator(device=device)
-        sampling.manual_seed(base * 7919 + 104_729 * (1 + data_parallel_rank))
-        return cls(prompts=torch.Generator().manual_seed(base), sampling=sampling)
+    tokenizer: PromptTokenizer
+    train: list[Prompt]
+    eval: list[Prompt]
+    rewards: list[Reward]
+    skipped: int
 
 
-def build_generator(config: Config, learner, task):
+def read_inputs(config: Config) -> JobInputs:
+    tokenizer = load_tokenizer(config)
+    train = load_prompts(config, tokenizer, config.data.train_files)
+    held_out = (
+        load_prompts(config, tokenizer, config.data.eval_files) if config.data.eval_files else None
+    )
+    return JobInputs(
+        tokenizer=tokenizer,
+        train=train.prompts,
+        eval=held_out.prompts if held_out else [],
+        rewards=build_rewards(config),
+        skipped=train.skipped + (held_out.skipped if held_out else 0),
+    )
+
+
+def sampling_rng(
+    seed: int, step: int, data_parallel_rank: int, device: torch.device
+) -> torch.Generator:
+    """A step's sampling stream, from (seed, step, data-parallel rank): nothing to checkpoint;
+    tensor-parallel peers share it, so they sample alike. On the generator's device."""
+    rng = torch.Generator(device=device)
+    rng.manual_seed((seed * 1_000_003 + step) * 7919 + 104_729 * (1 + data_parallel_rank))
+    return rng
+
+
+def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
     from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.hf import HFGenerator
     from titan_learner.rollout.vllm import VLLMGenerator
 
+    ids = {"eos_id": tokenizer.eos_ids, "pad_id": tokenizer.pad_id}
     if config.rollout.generator == "vllm":
-        return VLLMGenerator(config.rollout.model_path, eos_id=task.eos_id, pad_id=task.pad_id)
-    return HFGenerator(
-        hf_config(learner.spec), eos_id=task.eos_id, pad_id=task.pad_id, device=learner.device
-    )
+        return VLLMGenerator(config.rollout.model_path, **ids)
+    return HFGenerator(hf_config(learner.spec), device=learner.device, **ids)
 
 
 def sync_generator(learner, generator) -> None:
@@ -74,67 +92,54 @@ def sync_generator(learner, generator) -> None:
     push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False, checksum=False)
 
 
-def gather_over(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All data-parallel ranks' values, concatenated (every rank gets all)."""
-    if group is None:
-        return values
-    out = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, values, group=group)
-    return torch.cat(out)
-
-
-def same_within_group(batch, group: dist.ProcessGroup | None):
-    """Tensor-parallel peers must train on one batch: take the group's first rank's rollout.
-
-    Peers sample alike from the same seed, but GPU kernels need not be bitwise deterministic,
-    and two different batches in one TP group would silently corrupt the update.
-    """
-    if group is None:
-        return batch
-    holder = [batch.cpu()]  # an object broadcast: peers' rollouts may even differ in width
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
-    return holder[0].to(batch.device)
-
-
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
 
 
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    samples: list[dict]  # a few of this rank's (prompt, completion, rewards) rows
+
+
 def grpo_step(
-    config: Config, learner, generator, task, rngs: StepRngs, reference=None
-) -> dict[str, float]:
-    """One GRPO step on this rank: rollout, update (in micro-batches), weight push.
+    config: Config,
+    learner,
+    generator,
+    inputs: JobInputs,
+    prompts: list[Prompt],
+    rng: torch.Generator,
+    reference=None,
+) -> StepResult:
+    """One GRPO step on this rank: rollout, rewards, update (in micro-batches), weight push.
 
     With a `reference` (a `ReferenceModel`, for `kl_to_ref_coeff`), its log-probs join each
     micro-batch (already the same within a tensor-parallel group) before its update; that
     forward is timed as part of `update_s`.
     """
     from titan_learner.job.advantage import group_advantages
-    from titan_learner.learner.batch import REF_LOG_PROBS_KEY
+    from titan_learner.learner.batch import ATTENTION_MASK_KEY, REF_LOG_PROBS_KEY
     from titan_learner.learner.normalization import step_counts
 
     rollout_cfg = config.rollout
-    dp = learner.capabilities.data_parallel_size
-    per_rank = rollout_cfg.prompts_per_step // dp
-    prompts = task.sample_prompts(rollout_cfg.prompts_per_step, rngs.prompts)
-    mine = prompts[
-        learner.data_parallel_rank * per_rank : (learner.data_parallel_rank + 1) * per_rank
-    ]
+    group = rollout_cfg.group_size
+    dp_group, device = learner.data_parallel_group, learner.device
+    mine = rank_slice(prompts, learner.data_parallel_rank, learner.capabilities.data_parallel_size)
 
     start = time.perf_counter()
     rollout = generator.generate(
-        mine,
-        rollout_cfg.group_size,
-        rollout_cfg.max_new_tokens,
-        rollout_cfg.temperature,
-        rngs.sampling,
+        [p.ids for p in mine], group, rollout_cfg.max_new_tokens, rollout_cfg.temperature, rng
     )
-    rewards = rollout.score(task.reward)
-    batch = rollout.to_batch(group_advantages(rewards, rollout_cfg.group_size), rewards)
-    batch = same_within_group(batch, learner.tensor_parallel_group)
     rollout_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    texts, owners, scores = score_rollout(rollout, mine, group, inputs.tokenizer, inputs.rewards)
+    rewards = scores.total
+    batch = rollout.to_batch(group_advantages(rewards, group), rewards)
+    batch = same_within_group(batch, learner.tensor_parallel_group)
+    reward_s = time.perf_counter() - start
 
     start = time.perf_counter()
     metrics: dict[str, float] = {}
@@ -150,37 +155,55 @@ def grpo_step(
     sync_generator(learner, generator)
     sync_s = time.perf_counter() - start
 
-    all_rewards = gather_over(rewards, learner.data_parallel_group)
-    tokens = gather_over(
-        batch.get(("masks", "all_attention_mask")).sum().reshape(1), learner.data_parallel_group
-    )
-    total_s = rollout_s + update_s + sync_s
+    all_rewards = gather_over(rewards, dp_group, device)
+    per_reward = {
+        name: gather_over(values, dp_group, device) for name, values in scores.per_reward.items()
+    }
+    lengths = gather_over(rollout.completion_lengths.float(), dp_group, device)
+    tokens = gather_over(batch.get(ATTENTION_MASK_KEY).sum().reshape(1).float(), dp_group, device)
+    errors = gather_over(torch.tensor([float(scores.errors)]), dp_group, device)
+    total_s = rollout_s + reward_s + update_s + sync_s
     metrics.update(
         reward_mean=float(all_rewards.mean()),
-        reward_std=float(all_rewards.std()),
+        reward_std=float(all_rewards.std()) if all_rewards.numel() > 1 else 0.0,
         reward_min=float(all_rewards.min()),
         reward_max=float(all_rewards.max()),
+        **{f"reward/{name}_mean": float(values.mean()) for name, values in per_reward.items()},
+        reward_errors=float(errors.sum()),
+        response_length_mean=float(lengths.mean()),
         tokens_per_s=float(tokens.sum()) / total_s,
         rollout_s=rollout_s,
+        reward_s=reward_s,
         update_s=update_s,
         weight_sync_s=sync_s,
-        peak_memory_gib=peak_memory_gib(learner.device),
+        peak_memory_gib=peak_memory_gib(device),
         policy_version=float(learner.policy_version),
     )
-    return metrics
+    samples = [
+        {
+            "origin": owners[i].origin,
+            "prompt": owners[i].text,
+            "completion": texts[i],
+            "reward": float(rewards[i]),
+            **{f"reward/{name}": float(v[i]) for name, v in scores.per_reward.items()},
+        }
+        for i in range(0, len(texts), group)[:SAMPLES_PER_LOG]
+    ]
+    return StepResult(metrics, samples)
 
 
 def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
     """Build everything from the config and run the job; per-step metrics (same on every rank)."""
     from titan_learner.checkpoint.async_save import wait_for_pending_save
     from titan_learner.checkpoint.layout import latest
+    from titan_learner.job.evaluation import evaluate
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.telemetry import Telemetry
     from titan_learner.learner.titan import TitanLearner
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(config, world_size)
-    task = get_task(config.task.name)
+    inputs = read_inputs(config)  # every input problem surfaces before the model is built
     learner = TitanLearner.from_config(config)
     # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
     reference = (
@@ -188,40 +211,68 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
         if config.loss.kwargs.get("kl_to_ref_coeff")
         else None
     )
-    rank = dist.get_rank()
+    loader = PromptLoader(inputs.train, config.rollout.prompts_per_step, config.run.seed)
     output_dir = Path(config.run.output_dir)
     checkpoints = output_dir / "checkpoints"
+    say = print if rank() == 0 else (lambda *args, **kwargs: None)
+    if inputs.skipped:
+        say(f"skipped {inputs.skipped} prompt(s) longer than max_prompt_tokens", flush=True)
     if resume and latest(checkpoints) is not None:
-        learner.load(checkpoints)
-        if rank == 0:
-            print(f"resumed from {latest(checkpoints)} (step {learner.step})", flush=True)
-    elif resume and rank == 0:
-        print(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
-    generator = build_generator(config, learner, task)
+        extra = {"data": loader.state_dict()}
+        learner.load(checkpoints, extra=extra)
+        loader.load_state_dict(extra["data"])
+        say(f"resumed from {latest(checkpoints)} (step {learner.step})", flush=True)
+    elif resume:
+        say(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
+    generator = build_generator(config, learner, inputs.tokenizer)
     sync_generator(learner, generator)
     telemetry = (
         Telemetry(output_dir, config.run.steps, start_step=learner.step)
-        if rank == 0
+        if rank() == 0
         else Telemetry.disabled()
     )
-    history = []
-    try:
-        for step in range(learner.step + 1, config.run.steps + 1):
-            rngs = StepRngs.for_step(
-                config.run.seed, step, learner.data_parallel_rank, learner.device
+
+    def evaluation(step: int) -> None:
+        if inputs.eval:
+            found = evaluate(
+                config,
+                step,
+                learner,
+                generator,
+                inputs.tokenizer,
+                inputs.rewards,
+                inputs.eval,
+                output_dir,
             )
-            metrics = grpo_step(config, learner, generator, task, rngs, reference)
-            history.append(metrics)
-            telemetry.log(step, metrics)
+            telemetry.log(step, found, namespace="eval/")
+
+    history = []
+    every = config.eval.every_steps
+    try:
+        if learner.step == 0:
+            evaluation(0)
+        for step in range(learner.step + 1, config.run.steps + 1):
+            rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
+            result = grpo_step(
+                config, learner, generator, inputs, loader.next_step(), rng, reference
+            )
+            result.metrics["epoch"] = loader.epoch
+            history.append(result.metrics)
+            telemetry.log(step, result.metrics)
+            if config.run.log_samples_every and step % config.run.log_samples_every == 0:
+                telemetry.samples(step, result.samples)
+            if (every and step % every == 0) or step == config.run.steps:
+                evaluation(step)
             if config.checkpoint.interval and step % config.checkpoint.interval == 0:
                 learner.save(
                     checkpoints,
                     keep_latest_k=config.checkpoint.keep_latest_k,
                     asynchronous=config.checkpoint.async_save,
+                    extra={"data": loader.state_dict()},
                 )
         wait_for_pending_save()
     finally:
         plot = telemetry.close()
-    if rank == 0 and plot is not None:
-        print(f"curves: {plot}", flush=True)
+    if plot is not None:
+        say(f"curves: {plot}", flush=True)
     return history

@@ -1,7 +1,9 @@
 """Training metrics of a GRPO job: console, JSONL, TensorBoard, a progress bar and a final plot.
 
 Only rank 0 records anything; the other ranks hold `Telemetry.disabled()`, so the training loop
-calls `log` and `close` the same way everywhere. Every metric is namespaced `training/<name>`.
+calls `log` and `close` the same way everywhere. Training metrics are namespaced
+`training/<name>`, evaluation metrics `eval/<name>`; `samples` appends a few completions per step
+to `samples.jsonl` for people to read.
 
 `metrics.jsonl` is the durable record: it is flushed after every line, so a crash loses nothing
 already logged, and the plot written by `close` is read back from it, so it also covers the steps
@@ -12,12 +14,13 @@ of a run this one resumed. A resumed run drops what the previous run logged afte
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
+
+from titan_learner.files import atomic_write_text
 
 NAMESPACE = "training/"
 
@@ -57,9 +60,13 @@ class Telemetry:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self.samples_path = self.output_dir / "samples.jsonl"
         if start_step > 0:
             _drop_steps_after(self.jsonl_path, start_step)
-        self._jsonl = self.jsonl_path.open("a" if start_step > 0 else "w")
+            _drop_steps_after(self.samples_path, start_step)
+        mode = "a" if start_step > 0 else "w"
+        self._jsonl = self.jsonl_path.open(mode)
+        self._samples = self.samples_path.open(mode)
         self._tensorboard = SummaryWriter(
             str(self.output_dir / "tensorboard"),
             purge_step=start_step + 1 if start_step > 0 else None,
@@ -79,20 +86,32 @@ class Telemetry:
         """An instance that records nothing, for ranks other than 0."""
         return cls(Path(), 0, enabled=False)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], namespace: str = NAMESPACE) -> None:
         """Records one step's metrics (floats or 0-d tensors) everywhere."""
         if not self.enabled:
             return
         values = {name: float(value) for name, value in metrics.items()}
-        record = {"step": step, **{NAMESPACE + name: value for name, value in values.items()}}
+        record = {"step": step, **{namespace + name: value for name, value in values.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for key, value in record.items():
             if key != "step":
                 self._tensorboard.add_scalar(key, value, step)
         # tqdm.write prints above the bar, so the bar is redrawn below the line, not broken by it.
-        tqdm.write(self._console_line(step, values))
+        if namespace == NAMESPACE:
+            tqdm.write(self._console_line(step, values))
+        else:
+            shown = "  ".join(f"{name}={value:.4g}" for name, value in values.items())
+            tqdm.write(f"{namespace.rstrip('/')} at step {step}  {shown}")
         self._bar.update(step - self._bar.n)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Appends (prompt, completion, rewards) rows of one step to samples.jsonl."""
+        if not self.enabled:
+            return
+        for row in rows:
+            self._samples.write(json.dumps({"step": step, **row}) + "\n")
+        self._samples.flush()
 
     def close(self) -> Path | None:
         """Flushes and closes every output and writes `curves.png`; returns its path."""
@@ -100,6 +119,7 @@ class Telemetry:
             return None
         self._bar.close()
         self._jsonl.close()
+        self._samples.close()
         self._tensorboard.close()
         return _plot_curves(_read_records(self.jsonl_path), self.output_dir / "curves.png")
 
@@ -124,13 +144,12 @@ def _drop_steps_after(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = [record for record in _read_records(path) if record["step"] <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 def _plot_curves(records: list[dict[str, Any]], path: Path) -> Path:
-    """Reward (mean, min/max band), the loss terms and grad_norm against step, in one PNG."""
+    """Reward (mean ± std band, eval reward and pass@k), the loss terms and grad_norm against
+    step, in one PNG. (A min..max band says nothing on a 0/1 reward: it is always 0..1.)"""
     # The Agg canvas renders without a display and leaves pyplot's global backend alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -144,15 +163,24 @@ def _plot_curves(records: list[dict[str, Any]], path: Path) -> Path:
     reward_ax, loss_ax, grad_ax = figure.subplots(3, 1, sharex=True)
 
     reward_ax.plot(*series(NAMESPACE + "reward_mean"), label="mean")
-    banded = [r for r in records if NAMESPACE + "reward_min" in r and NAMESPACE + "reward_max" in r]
+    mean, std = NAMESPACE + "reward_mean", NAMESPACE + "reward_std"
+    banded = [r for r in records if mean in r and std in r]
     if banded:
         reward_ax.fill_between(
             [r["step"] for r in banded],
-            [r[NAMESPACE + "reward_min"] for r in banded],
-            [r[NAMESPACE + "reward_max"] for r in banded],
+            [r[mean] - r[std] for r in banded],
+            [r[mean] + r[std] for r in banded],
             alpha=0.25,
-            label="min..max",
+            label="mean ± std",
         )
+    for key, label in (
+        ("eval/reward_mean", "eval reward"),
+        ("eval/pass@1", "eval pass@1"),
+        ("eval/pass@k", "eval pass@k"),
+    ):
+        steps, values = series(key)
+        if steps:
+            reward_ax.plot(steps, values, marker="o", label=label)
     reward_ax.set_title("reward")
 
     loss_keys = sorted({key for r in records for key in r if key.startswith(NAMESPACE + "loss_")})

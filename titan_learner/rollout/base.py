@@ -17,7 +17,7 @@ Rollout order: the G completions of prompt p are rows p*G .. p*G + G-1 ("group p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -115,17 +115,6 @@ class Rollout:
         rows = self.completion_tokens.tolist()
         return [row[:n] for row, n in zip(rows, self.completion_lengths.tolist(), strict=True)]
 
-    def score(self, reward_fn: Callable[[Sequence[int], Sequence[int]], float]) -> torch.Tensor:
-        """`[N]` float32 rewards: `reward_fn(prompt_ids, completion_ids)` for every row."""
-        g = self.group_size
-        rewards = torch.tensor(
-            [float(reward_fn(self.prompts[i // g], c)) for i, c in enumerate(self.completion_ids)],
-            dtype=torch.float32,
-        )
-        if not torch.isfinite(rewards).all():
-            raise ValueError("reward_fn returned a non-finite reward")
-        return rewards
-
     def to_batch(self, advantage: torch.Tensor, rewards: torch.Tensor) -> TensorDict:
         """The learner's batch (titan_learner.learner.batch): prompt + completion, left-padded to `[N, T]`.
 
@@ -174,7 +163,7 @@ def rollout_from_lists(
     group_size: int,
     completions: list[list[int]],
     log_probs: list[list[float]],
-    eos_id: int,
+    eos_id: int | Sequence[int],
     pad_id: int,
     weights_version: int,
 ) -> Rollout:
@@ -194,7 +183,7 @@ def rollout_from_lists(
         completion_tokens=tokens,
         completion_log_probs=values,
         completion_lengths=torch.tensor([len(c) for c in completions], dtype=torch.int64),
-        finished=torch.tensor([bool(c) and c[-1] == eos_id for c in completions]),
+        finished=torch.tensor([bool(c) and c[-1] in eos_id_set(eos_id) for c in completions]),
         pad_id=pad_id,
         weights_version=weights_version,
     )
@@ -274,7 +263,16 @@ def _check_config(config: Any) -> None:
         )
 
 
-def _check_special_ids(eos_id: int, pad_id: int, vocab_size: int) -> None:
-    for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+def eos_id_set(eos_id: int | Sequence[int]) -> tuple[int, ...]:
+    """One EOS id or several (Qwen's tokenizer and generation config name more than one)."""
+    ids = (eos_id,) if isinstance(eos_id, int) else tuple(int(i) for i in eos_id)
+    if not ids:
+        raise ValueError("eos_id names no token: pass an id or a non-empty list of ids")
+    return ids
+
+
+def _check_special_ids(eos_id: int | Sequence[int], pad_id: int, vocab_size: int) -> None:
+    named = [(f"eos_id {value}", value) for value in eos_id_set(eos_id)] + [("pad_id", pad_id)]
+    for name, value in named:
         if not 0 <= value < vocab_size:
             raise ValueError(f"{name}={value} is outside [0, {vocab_size}) (the vocab_size)")

@@ -6,7 +6,7 @@ Qwen3ForCausalLM) built from a config, sampled by a hand loop over a KV cache so
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from titan_learner.rollout.base import (
     _check_config,
     _check_special_ids,
     check_generate_args,
+    eos_id_set,
     left_pad,
 )
 from titan_learner.weights.matching import copy_into_module
@@ -34,7 +35,7 @@ class HFGenerator:
         self,
         config: Any,
         *,
-        eos_id: int,
+        eos_id: int | Sequence[int],
         pad_id: int,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -48,7 +49,8 @@ class HFGenerator:
             torch.manual_seed(init_seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self.model: nn.Module = model.to(device).eval()
-        self.eos_id = eos_id
+        self.eos_ids = eos_id_set(eos_id)
+        self.eos_id = self.eos_ids[0]
         self.pad_id = pad_id
         self.vocab_size = config.vocab_size
         self.weights_version = 0
@@ -122,6 +124,7 @@ class HFGenerator:
         log_probs = torch.full((n, max_new_tokens), torch.nan, device=device)
         lengths = torch.zeros(n, dtype=torch.int64, device=device)
         finished = torch.zeros(n, dtype=torch.bool, device=device)
+        eos = torch.tensor(self.eos_ids, device=device)
         for step in range(max_new_tokens):
             if temperature == 0:
                 sampled = logits.argmax(dim=-1)
@@ -133,7 +136,7 @@ class HFGenerator:
             tokens[:, step] = torch.where(active, sampled, self.pad_id)
             log_probs[:, step] = torch.where(active, step_log_probs, torch.nan)
             lengths += active
-            finished |= active & (sampled == self.eos_id)
+            finished |= active & torch.isin(sampled, eos)
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break
             attention = torch.cat([attention, (~finished).long()[:, None]], dim=1)

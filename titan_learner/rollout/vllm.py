@@ -4,7 +4,7 @@ lazily), with the worker extension that loads Hugging Face-named weights inside 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from titan_learner.rollout.base import (
     _check_config,
     _check_special_ids,
     check_generate_args,
+    eos_id_set,
     rollout_from_lists,
 )
 from titan_learner.weights.matching import match_named_tensors
@@ -51,7 +52,7 @@ class VLLMGenerator:
         self,
         model_path: str,
         *,
-        eos_id: int,
+        eos_id: int | Sequence[int],
         pad_id: int,
         dtype: torch.dtype = torch.bfloat16,
         tensor_parallel_size: int = 1,
@@ -72,7 +73,8 @@ class VLLMGenerator:
         _check_config(config)
         _check_special_ids(eos_id, pad_id, config.vocab_size)
         self._shapes, self._required = hf_parameter_shapes(config)
-        self.eos_id = eos_id
+        self.eos_ids = eos_id_set(eos_id)
+        self.eos_id = self.eos_ids[0]
         self.pad_id = pad_id
         self.vocab_size = config.vocab_size
         self.dtype = dtype
@@ -123,7 +125,7 @@ class VLLMGenerator:
                 n=group_size,
                 temperature=temperature,
                 max_tokens=max_new_tokens,
-                stop_token_ids=[self.eos_id],
+                stop_token_ids=list(self.eos_ids),
                 logprobs=1,
                 seed=base_seed + i,
                 detokenize=False,
@@ -149,7 +151,7 @@ class VLLMGenerator:
             group_size,
             completions,
             log_probs,
-            self.eos_id,
+            self.eos_ids,
             self.pad_id,
             self.weights_version,
         )

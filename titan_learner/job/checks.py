@@ -1,0 +1,169 @@
+"""The GRPO job's own checks, run by `validate` (so by `train` and `check`) before any compute.
+
+Structure (what the file alone decides) is always an error. Inputs that live on the machine the
+run is meant for (data files, the tokenizer directory) are errors there and warnings elsewhere
+(`check` on a laptop for a cluster run); what can be checked wherever they exist is checked:
+the keys of the first rows, that the tokenizer loads, that each reward imports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.schema import Config
+from titan_learner.data.errors import DataError
+from titan_learner.data.files import read_rows, resolve
+from titan_learner.rewards.builtins import BUILTINS
+from titan_learner.rewards.loading import RewardLoadError, load_function
+from titan_learner.rewards.runner import reward_name
+
+KEY_CHECK_ROWS = 5
+
+
+def check_job_structure(config: Config, data_parallel: int) -> None:
+    """What the file alone decides about the job."""
+    source = config.source
+    if not config.data.train_files:
+        raise ConfigError(
+            "none given; allowed: one or more local JSONL, JSON or Parquet files of prompts",
+            source=source,
+            where="[data] train_files",
+        )
+    if not config.reward:
+        raise ConfigError(
+            'no [[reward]] table; allowed: at least one, e.g. [[reward]] function = "math" '
+            f'(built-ins: {", ".join(BUILTINS)}) or function = "my_rewards.py:score"',
+            source=source,
+            where="[[reward]]",
+        )
+    names: dict[str, int] = {}
+    for index, section in enumerate(config.reward):
+        where = f"[[reward]] #{index + 1}"
+        if not section.function:
+            raise ConfigError(
+                f"function is missing; allowed: {', '.join(BUILTINS)} or 'file.py:function'",
+                source=source,
+                where=where,
+            )
+        if section.function == "regex":
+            if not section.pattern:
+                raise ConfigError("regex needs a pattern", source=source, where=f"{where} pattern")
+            try:
+                re.compile(section.pattern)
+            except re.error as err:
+                raise ConfigError(
+                    f"{section.pattern!r} is not a regular expression ({err})",
+                    source=source,
+                    where=f"{where} pattern",
+                ) from None
+        name = reward_name(section)
+        if name in names:
+            raise ConfigError(
+                f"two rewards are named {name!r} (#{names[name] + 1} and #{index + 1}); their "
+                "metrics would collide; allowed: distinct names (set name = ...)",
+                source=source,
+                where=f"{where} name",
+            )
+        names[name] = index
+    prompts = config.rollout.prompts_per_step
+    if prompts % data_parallel:
+        raise ConfigError(
+            f"{prompts} prompts do not split over {data_parallel} data-parallel ranks; "
+            f"allowed: a multiple of {data_parallel}",
+            source=source,
+            where="[rollout] prompts_per_step",
+        )
+    per_rank = prompts // data_parallel
+    if per_rank % config.learner.grad_accum_steps:
+        raise ConfigError(
+            f"{per_rank} prompts per rank do not split into {config.learner.grad_accum_steps} "
+            "micro-batches of whole groups; allowed: grad_accum_steps dividing prompts per rank",
+            source=source,
+            where="[learner] grad_accum_steps",
+        )
+    if config.rollout.generator == "vllm" and not config.rollout.model_path:
+        raise ConfigError(
+            "the vllm generator needs model_path (an HF directory the engines start from)",
+            source=source,
+            where="[rollout] model_path",
+        )
+
+
+def check_job_inputs(
+    config: Config, machine_check: Callable[[Callable[[], None]], None], model_vocab: int
+) -> None:
+    """Data files, their keys, the tokenizer and the rewards, as far as they exist here.
+
+    `machine_check(fn)` runs `fn` and turns a ConfigError about something missing on this
+    machine into a warning where the run is meant for another machine.
+    """
+    base = Path(config.source).parent
+    data = config.data
+    key = data.messages_key or data.prompt_key
+    for where, files in (
+        ("[data] train_files", data.train_files),
+        ("[data] eval_files", data.eval_files),
+    ):
+        for name in files:
+            path = resolve(name, base)
+
+            def present(path: Path = path, where: str = where) -> None:
+                if not path.is_file():
+                    raise ConfigError(
+                        f"{path} not found; allowed: a local JSONL, JSON or Parquet file",
+                        source=config.source,
+                        where=where,
+                    )
+
+            machine_check(present)
+            if path.is_file():
+                _check_first_rows(config, path, [key, data.answer_key])
+    _check_tokenizer(config, machine_check, model_vocab)
+    for index, section in enumerate(config.reward):
+        if section.function in BUILTINS:
+            continue
+        try:
+            load_function(section.function, base)
+        except RewardLoadError as err:
+            raise ConfigError(
+                str(err), source=config.source, where=f"[[reward]] #{index + 1} function"
+            ) from None
+
+
+def _check_first_rows(config: Config, path: Path, keys: list[str]) -> None:
+    try:
+        rows = read_rows(path)
+    except DataError as err:
+        raise ConfigError(str(err), source=config.source, where="[data]") from None
+    if not rows:
+        raise ConfigError(f"{path} holds no rows", source=config.source, where="[data]")
+    for row in rows[:KEY_CHECK_ROWS]:
+        missing = [k for k in keys if k not in row.values]
+        if missing:
+            raise ConfigError(
+                f"{row.origin}: missing key {missing[0]!r}; the row has: "
+                f"{', '.join(sorted(row.values)) or 'no keys'}",
+                source=config.source,
+                where="[data]",
+            )
+
+
+def _check_tokenizer(
+    config: Config, machine_check: Callable[[Callable[[], None]], None], model_vocab: int
+) -> None:
+    from titan_learner.data.tokenizer import load_tokenizer, require_tokenizer_dir, tokenizer_dir
+
+    machine_check(lambda: require_tokenizer_dir(config))
+    if not tokenizer_dir(config).is_dir():
+        return
+    tokenizer = load_tokenizer(config)
+    if tokenizer.vocab_size > model_vocab:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{model_vocab}; allowed: a model vocabulary of at least {tokenizer.vocab_size}",
+            source=config.source,
+            where="[tokenizer] path" if config.tokenizer.path else "[model] hf_checkpoint",
+        )

@@ -1,0 +1,40 @@
+"""Completions to rewards, the same way for training and evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from titan_learner.data.loader import Prompt
+from titan_learner.data.tokenizer import PromptTokenizer
+from titan_learner.job.collectives import raise_everywhere
+from titan_learner.rewards.runner import Reward, Scores, score
+
+
+def score_rollout(
+    rollout,
+    prompts: Sequence[Prompt],
+    group: int,
+    tokenizer: PromptTokenizer,
+    rewards: Sequence[Reward],
+) -> tuple[list[str], list[Prompt], Scores | None]:
+    """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
+
+    A collective: every rank calls it (`rollout=None` on a rank with no prompts), so that a
+    reward that fails on one rank raises on all of them instead of leaving them waiting.
+    """
+    texts = [tokenizer.decode(ids) for ids in rollout.completion_ids] if rollout else []
+    owners = [p for p in prompts for _ in range(group)] if rollout else []
+    scores, error = None, None
+    if rollout is not None:
+        try:
+            scores = score(
+                rewards,
+                [p.text for p in owners],
+                texts,
+                [p.row for p in owners],
+                [p.origin for p in owners],
+            )
+        except Exception as err:  # every rank must learn of it before the next collective
+            error = err
+    raise_everywhere(error)
+    return texts, owners, scores

@@ -1,0 +1,167 @@
+"""Scoring completions with the configured rewards: weighted sum, timeouts, one-line errors.
+
+Each reward runs over a step's completions in a daemon thread, one completion after another,
+and each call gets `timeout_s`: a call that hangs is abandoned (the thread is left behind, the
+rest of the batch continues in a new one), so a hung reward can end the job or score 0 but never
+hang it. A call that raises, times out, or returns something that is not a finite number is an
+error: with `on_error = "raise"` the job stops with one line naming the reward, the dataset row
+and what happened; with "zero" the completion scores 0 for that reward and the error is counted.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from titan_learner.config.schema import Config, RewardSection
+from titan_learner.rewards.builtins import BUILTINS, builtin
+from titan_learner.rewards.loading import load_function
+
+_POLL_S = 0.01
+
+
+class RewardError(RuntimeError):
+    """A reward that raised, hung or returned a non-number, with on_error = "raise"."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    spec: str
+    function: Callable[[str, str, dict], float]
+    weight: float
+    timeout_s: float
+    on_error: str
+
+
+@dataclass
+class Scores:
+    """`total[i]`: completion i's weighted reward; `per_reward[name][i]`: one reward's score."""
+
+    total: torch.Tensor
+    per_reward: dict[str, torch.Tensor]
+    errors: int
+    messages: list[str] = field(default_factory=list)
+
+
+def reward_name(section: RewardSection) -> str:
+    if section.name:
+        return section.name
+    if section.function in BUILTINS:
+        return section.function
+    return section.function.rpartition(":")[2]
+
+
+def build_rewards(config: Config) -> list[Reward]:
+    """The configured rewards, loaded (user functions imported) and ready to run."""
+    base_dir = Path(config.source).parent
+    rewards = []
+    for section in config.reward:
+        if section.function in BUILTINS:
+            function = builtin(
+                section.function,
+                answer_key=config.data.answer_key,
+                pattern=section.pattern,
+                mode=section.mode,
+                credit=section.credit,
+            )
+        else:
+            function = load_function(section.function, base_dir)
+        rewards.append(
+            Reward(
+                name=reward_name(section),
+                spec=section.function,
+                function=function,
+                weight=section.weight,
+                timeout_s=section.timeout_s,
+                on_error=section.on_error,
+            )
+        )
+    return rewards
+
+
+class _Batch:
+    """One reward over items[start:], in a worker thread; abandoned if a call hangs."""
+
+    def __init__(self, function: Callable, items: Sequence[tuple], start: int) -> None:
+        self.function = function
+        self.items = items
+        self.index = start
+        self.started = time.monotonic()
+        self.results: dict[int, tuple[str, object]] = {}
+
+    def run(self) -> None:
+        for index in range(self.index, len(self.items)):
+            self.index, self.started = index, time.monotonic()
+            try:
+                self.results[index] = ("ok", self.function(*self.items[index]))
+            except Exception as err:
+                self.results[index] = ("raised", f"{type(err).__name__}: {err}")
+        self.index = len(self.items)
+
+
+def _run(reward: Reward, items: Sequence[tuple]) -> dict[int, tuple[str, object]]:
+    results: dict[int, tuple[str, object]] = {}
+    start = 0
+    while start < len(items):
+        batch = _Batch(reward.function, items, start)
+        thread = threading.Thread(target=batch.run, daemon=True, name=f"reward-{reward.name}")
+        thread.start()
+        while thread.is_alive():
+            thread.join(_POLL_S)
+            hung = batch.index
+            if thread.is_alive() and time.monotonic() - batch.started > reward.timeout_s:
+                results.update(batch.results)
+                results[hung] = ("timed out", f"no result after {reward.timeout_s:g} s")
+                start = hung + 1
+                break
+        else:
+            results.update(batch.results)
+            start = len(items)
+    return results
+
+
+def score(
+    rewards: Sequence[Reward],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    rows: Sequence[dict],
+    origins: Sequence[str],
+) -> Scores:
+    """Every reward on every completion; `origins[i]` names completion i's dataset row."""
+    items = list(zip(prompts, completions, rows, strict=True))
+    total = torch.zeros(len(items), dtype=torch.float32)
+    per_reward: dict[str, torch.Tensor] = {}
+    errors, messages = 0, []
+    for reward in rewards:
+        values = torch.zeros(len(items), dtype=torch.float32)
+        for index, (status, value) in sorted(_run(reward, items).items()):
+            problem = _problem(status, value)
+            if problem is None:
+                values[index] = float(value)  # type: ignore[arg-type]
+                continue
+            message = f"reward '{reward.name}' ({reward.spec}) {problem} on {origins[index]}"
+            if reward.on_error == "raise":
+                raise RewardError(message + '; allowed: a finite number (or on_error = "zero")')
+            errors += 1
+            messages.append(message)
+        per_reward[reward.name] = values
+        total += reward.weight * values
+    return Scores(total=total, per_reward=per_reward, errors=errors, messages=messages)
+
+
+def _problem(status: str, value: object) -> str | None:
+    if status != "ok":
+        return f"{status} ({value})" if status == "raised" else f"{status}: {value}"
+    if not isinstance(value, numbers.Real):  # bools are numbers: True scores 1
+        return f"returned {value!r} ({type(value).__name__}), not a number"
+    if not math.isfinite(float(value)):
+        return f"returned {float(value)}, not a finite number"
+    return None
