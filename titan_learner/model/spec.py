@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from titan_learner.config.errors import ConfigError, did_you_mean
+from titan_learner.model.hf_architecture import agree, apply_details, read_architecture
 
 if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
@@ -73,6 +74,9 @@ def model_spec(section: ModelSection, attention: str, source: str = "<config>") 
     spec = registry(section.flavor, attn_backend="flex")
     cfg = spec.model
     o = section.overrides
+    arch = read_architecture(section.hf_checkpoint, source) if section.hf_checkpoint else None
+    if arch is not None:  # the model directory decides the shape
+        o = agree(section, arch, source)
     if any(getattr(o, f.name) is not None for f in dataclasses.fields(o) if f.name != "vocab_size"):
         cfg.layers = _resized_layers(section.name, cfg, o, "flex")
         cfg.dim = o.dim or cfg.dim
@@ -83,6 +87,8 @@ def model_spec(section: ModelSection, attention: str, source: str = "<config>") 
         cfg.vocab_size = o.vocab_size
         cfg.tok_embeddings = dataclasses.replace(cfg.tok_embeddings, num_embeddings=o.vocab_size)
         cfg.lm_head = dataclasses.replace(cfg.lm_head, out_features=o.vocab_size)
+    if arch is not None:
+        apply_details(cfg, arch)
     if attention == "sdpa":
         from torchtitan.models.common.attention import ScaledDotProductAttention
 
