@@ -170,3 +170,56 @@ def test_resume_on_another_data_parallel_size_sees_the_same_prompts(tmp_path):
     run_world(2, short_run, str(tmp_path / "cut"), 4, [*overrides, "parallelism.dp_shard=2"], True)
     whole, cut = first_prompt_per_step(tmp_path / "whole"), first_prompt_per_step(tmp_path / "cut")
     assert sorted(cut) == [1, 2, 3, 4] and cut == whole
+
+
+def training_lines(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if "training/reward_mean" in r]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_and_resume_continues_exactly(tmp_path):
+    """Slurm's and Kubernetes' SIGTERM: the step finishes, a checkpoint is written, exit 0 with
+    one line; --resume then continues exactly like a run that was never stopped."""
+    import signal
+    import time
+
+    common = [
+        "--config", str(TOY), "--set", "rollout.prompts_per_step=16", "--set", "rollout.group_size=8",
+        "--set", "eval.every_steps=0", "--set", "eval.max_prompts=16", "--set", "checkpoint.interval=0",
+    ]  # fmt: skip
+    cut = tmp_path / "cut"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "titan_learner", "train", *common,
+         "--set", "run.steps=200", "--set", f'run.output_dir="{cut}"'],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while len(training_lines(cut)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    stopped = len(training_lines(cut))
+    assert f"preempted (SIGTERM): saved step {stopped} to {cut / 'checkpoints'}" in out
+    assert (cut / "checkpoints" / "latest").read_text().strip() == f"step-{stopped}"
+    steps = stopped + 2
+    resumed = subprocess.run(
+        [sys.executable, "-m", "titan_learner", "train", *common, "--resume",
+         "--set", f"run.steps={steps}", "--set", f'run.output_dir="{cut}"'],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    whole = tmp_path / "whole"
+    subprocess.run(
+        [sys.executable, "-m", "titan_learner", "train", *common,
+         "--set", f"run.steps={steps}", "--set", f'run.output_dir="{whole}"'],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    keys = ("training/reward_mean", "training/loss_objective", "training/grad_norm")
+    got = [[r[k] for k in keys] for r in training_lines(cut)]
+    want = [[r[k] for k in keys] for r in training_lines(whole)]
+    assert len(got) == steps and got == want

@@ -13,6 +13,7 @@ import sys
 from titan_learner.config.errors import ConfigError
 
 USER_ERROR = 2
+INTERRUPTED = 130  # what a shell reports for Ctrl-C
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     _config_arguments(train)
     train.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="move a previous run in output_dir aside (to <output_dir>.old-<time>) and start anew",
     )
     check = commands.add_parser(
         "check",
@@ -98,7 +104,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _error(err: Exception) -> int:
-    print(f"error: {err}", file=sys.stderr)
+    """One line on stderr, from one process: under torchrun every rank fails alike."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {err}", file=sys.stderr)
     return USER_ERROR
 
 
@@ -107,11 +115,17 @@ def _train(args: argparse.Namespace) -> int:
 
     from titan_learner.config.toml import load_config
     from titan_learner.job.grpo import run
+    from titan_learner.job.preemption import Preempted
 
     try:
-        run(load_config(args.config, args.overrides), resume=args.resume)
+        run(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite)
     except _user_errors() as err:
         return _error(err)
+    except (KeyboardInterrupt, Preempted) as err:
+        if os.environ.get("RANK", "0") == "0":
+            why = "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err)
+            print(f"stopped: {why}; the last checkpoint is unchanged", file=sys.stderr)
+        return INTERRUPTED
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

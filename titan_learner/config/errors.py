@@ -24,6 +24,14 @@ class ConfigError(ValueError):
         prefix = f"{self.source}: " + (f"{where}: " if where else "")
         super().__init__(prefix + message)
 
+    def __reduce__(self):
+        """Pickled whole (an error one rank sends to the others keeps its file and key)."""
+        return (_rebuild, (self.detail, self.source, self.where))
+
+
+def _rebuild(message: str, source: str, where: str) -> ConfigError:
+    return ConfigError(message, source=source, where=where)
+
 
 def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
     """A ' (did you mean X?)' suffix when a close match exists, else ''."""

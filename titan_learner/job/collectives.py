@@ -3,6 +3,7 @@ tensor-parallel group, and one outcome on every rank when a rank fails."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -49,17 +50,28 @@ def same_within_group(batch, group: dist.ProcessGroup | None):
 def raise_everywhere(error: Exception | None) -> None:
     """If any rank failed (e.g. a reward raised), raise its error on every rank.
 
-    A rank that raised alone would leave the others waiting in the next collective.
+    A rank that raised alone would leave the others waiting in the next collective. The error
+    itself travels (pickled), so every rank raises the same type with the same message.
     """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         if error is not None:
             raise error
         return
     reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, None if error is None else (type(error), str(error)))
+    dist.all_gather_object(reports, _portable(error))
     if error is not None:
         raise error
     failed = next((report for report in reports if report is not None), None)
     if failed is not None:
-        kind, message = failed
-        raise kind(message)
+        raise failed
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """The error if it pickles, else a RuntimeError with its message."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error

@@ -25,7 +25,7 @@ from titan_learner.config.schema import Config
 from titan_learner.config.validate import validate
 from titan_learner.data.loader import Prompt, PromptLoader, load_prompts, rank_slice
 from titan_learner.data.tokenizer import PromptTokenizer, load_tokenizer
-from titan_learner.job.collectives import gather_over, same_within_group
+from titan_learner.job.collectives import gather_over, raise_everywhere, same_within_group
 from titan_learner.job.scoring import score_rollout
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import Reward, build_rewards
@@ -192,17 +192,46 @@ def grpo_step(
     return StepResult(metrics, samples)
 
 
-def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
-    """Build everything from the config and run the job; per-step metrics (same on every rank)."""
+def run(config: Config, resume: bool = False, overwrite: bool = False) -> list[dict[str, float]]:
+    """Build everything from the config and run the job; per-step metrics (same on every rank).
+
+    The run owns `[run] output_dir` (job.run_directory): without `resume` a directory holding
+    a previous run is refused, or moved aside with `overwrite`. SIGTERM checkpoints and stops
+    after the current step (job.preemption).
+    """
+    from titan_learner.config.errors import ConfigError
+    from titan_learner.config.validate import device_type
+    from titan_learner.job.run_directory import RunDirectory
+    from titan_learner.model.parallelize import init_process_group
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(config, world_size)
+    init_process_group(device_type(config))  # so that ranks agree on the directory below
+    directory = RunDirectory(config.run.output_dir, config.source)
+    error = None
+    if rank() == 0:
+        try:
+            moved = directory.acquire(resume=resume, overwrite=overwrite)
+            if moved is not None:
+                print(f"moved the previous run in {config.run.output_dir} to {moved}", flush=True)
+        except ConfigError as err:
+            error = err
+    raise_everywhere(error)
+    try:
+        return _run(config, resume)
+    finally:
+        directory.release()
+
+
+def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.checkpoint.async_save import wait_for_pending_save
     from titan_learner.checkpoint.layout import latest
     from titan_learner.job.evaluation import evaluate
+    from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.telemetry import Telemetry
     from titan_learner.learner.titan import TitanLearner
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(config, world_size)
     inputs = read_inputs(config)  # every input problem surfaces before the model is built
     learner = TitanLearner.from_config(config)
     # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
@@ -248,29 +277,45 @@ def run(config: Config, resume: bool = False) -> list[dict[str, float]]:
 
     history = []
     every = config.eval.every_steps
+
+    def save(step: int, asynchronous: bool) -> None:
+        learner.save(
+            checkpoints,
+            keep_latest_k=config.checkpoint.keep_latest_k,
+            asynchronous=asynchronous,
+            extra={"data": loader.state_dict()},
+        )
+
     try:
-        if learner.step == 0:
-            evaluation(0)
-        for step in range(learner.step + 1, config.run.steps + 1):
-            rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
-            result = grpo_step(
-                config, learner, generator, inputs, loader.next_step(), rng, reference
-            )
-            result.metrics["epoch"] = loader.epoch
-            history.append(result.metrics)
-            telemetry.log(step, result.metrics)
-            if config.run.log_samples_every and step % config.run.log_samples_every == 0:
-                telemetry.samples(step, result.samples)
-            if (every and step % every == 0) or step == config.run.steps:
-                evaluation(step)
-            if config.checkpoint.interval and step % config.checkpoint.interval == 0:
-                learner.save(
-                    checkpoints,
-                    keep_latest_k=config.checkpoint.keep_latest_k,
-                    asynchronous=config.checkpoint.async_save,
-                    extra={"data": loader.state_dict()},
+        with PreemptionGuard() as preemption:
+            if learner.step == 0:
+                evaluation(0)
+            for step in range(learner.step + 1, config.run.steps + 1):
+                rng = sampling_rng(
+                    config.run.seed, step, learner.data_parallel_rank, learner.device
                 )
-        wait_for_pending_save()
+                result = grpo_step(
+                    config, learner, generator, inputs, loader.next_step(), rng, reference
+                )
+                result.metrics["epoch"] = loader.epoch
+                history.append(result.metrics)
+                telemetry.log(step, result.metrics)
+                if config.run.log_samples_every and step % config.run.log_samples_every == 0:
+                    telemetry.samples(step, result.samples)
+                if (every and step % every == 0) or step == config.run.steps:
+                    evaluation(step)
+                if preemption.stop_now(learner.device):
+                    wait_for_pending_save()
+                    if latest(checkpoints) is None or latest(checkpoints).name != f"step-{step}":
+                        save(step, asynchronous=False)
+                    say(
+                        f"preempted (SIGTERM): saved step {step} to {checkpoints}; continue with --resume",
+                        flush=True,
+                    )
+                    break
+                if config.checkpoint.interval and step % config.checkpoint.interval == 0:
+                    save(step, asynchronous=config.checkpoint.async_save)
+            wait_for_pending_save()
     finally:
         plot = telemetry.close()
     if plot is not None:
