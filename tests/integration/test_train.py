@@ -102,7 +102,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     for got, want in zip(runs["first"] + runs["resumed"], runs["whole"], strict=True):
         for key in ("reward_mean", "loss_objective", "grad_norm", "policy_version"):
             assert got[key] == want[key], key
-    steps = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").open()]
+    steps = [line["step"] for line in training_lines(tmp_path / "cut")]
     assert steps == [1, 2, 3, 4], "the resumed run appends to the metrics, no duplicate steps"
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step-4"
 
