@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from titan_learner import checkpoint
+from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.learner.batch import synthetic_batch
@@ -57,16 +58,11 @@ DEFAULT_SIZE = [
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--config", default="configs/debug.toml", help="TOML file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="applied after the default size overrides: " + " ".join(DEFAULT_SIZE),
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0],
+        epilog="--set is applied after the default size overrides: " + " ".join(DEFAULT_SIZE),
     )
+    add_config_arguments(parser, default="configs/debug.toml")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of each")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
     args = parser.parse_args(argv)

@@ -46,6 +46,7 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.dtypes import DTYPES
@@ -58,10 +59,7 @@ IGNORE_INDEX = -100
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--config", required=True, help="TOML file")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
-    )
+    add_config_arguments(parser)
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per phase")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     args = parser.parse_args(argv)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.learner.titan import TitanLearner
@@ -61,8 +62,7 @@ def timed_plain_copy(model: torch.nn.Module) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/debug.toml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    add_config_arguments(parser, default="configs/debug.toml")
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON line")

@@ -16,8 +16,12 @@ USER_ERROR = 2
 INTERRUPTED = 130  # what a shell reports for Ctrl-C
 
 
-def _config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="the run's TOML file")
+def add_config_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """`--config FILE` (required unless `default`) and repeatable `--set SECTION.KEY=VALUE`;
+    shared by the subcommands and the scripts under scripts/."""
+    parser.add_argument(
+        "--config", required=default is None, default=default, help="the run's TOML file"
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -38,7 +42,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="run the GRPO job of a config (alone, or under torchrun on every rank)",
         description="Run the GRPO job: rollouts, rewards, updates, weight pushes, checkpoints.",
     )
-    _config_arguments(train)
+    add_config_arguments(train)
     train.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
     )
@@ -52,7 +56,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="validate a config and print what it resolves to (builds nothing)",
         description="Validate a config; print the resolved config, mesh, size and memory.",
     )
-    _config_arguments(check)
+    add_config_arguments(check)
     check.add_argument(
         "--world-size",
         type=int,
