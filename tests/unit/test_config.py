@@ -185,6 +185,26 @@ BAD_CONFIGS = {
         # The detail is tomllib's wording; the position is what a user needs.
         r"invalid TOML: .+ \(at line 1, column \d+\)",
     ),
+    "lr_nan": (
+        "[optimizer]\nlr = nan\n",
+        [],
+        exact("[optimizer] lr: nan is not a finite number; allowed: a finite number"),
+    ),
+    "rope_theta_inf": (
+        "[model.overrides]\nrope_theta = inf\n",
+        [],
+        exact("[model.overrides] rope_theta: inf is not a finite number; allowed: a finite number"),
+    ),
+    "seed_too_large": (
+        "[run]\nseed = 100000000000000000000\n",
+        [],
+        exact("[run] seed: 100000000000000000000 is out of range; allowed: >= 0 and <= 2147483647"),
+    ),
+    "seed_out_of_range": (
+        "[run]\nseed = 4294967296\n",
+        [],
+        exact("[run] seed: 4294967296 is out of range; allowed: >= 0 and <= 2147483647"),
+    ),
     "override_bare_word_is_a_string": (
         "",
         ["parallelism.tp=two"],

@@ -201,7 +201,8 @@ class CheckpointSection:
 
 @dataclass
 class RunSection:
-    seed: int = field(default=0, metadata=NON_NEGATIVE)
+    seed: int = field(default=0, metadata={"min": 0, "max": 2**31 - 1})
+    """Seeds every random stream of the run (derived seeds must fit torch's 64 bits)."""
     steps: int = field(default=10, metadata=POSITIVE)
     output_dir: str = "outputs/run"
     batch_size: int = field(default=8, metadata=POSITIVE)

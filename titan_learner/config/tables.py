@@ -9,6 +9,7 @@ dataclass) and `field(metadata={"min": ..., "max": ...})` for ranges.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -117,6 +118,12 @@ def _convert(value: Any, tp: Any, path: tuple[str, ...], source: str) -> Any:
 def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str, source: str) -> None:
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if isinstance(value, float) and not math.isfinite(value):  # TOML has nan and inf
+        raise ConfigError(
+            f"{value!r} is not a finite number; allowed: a finite number",
+            source=source,
+            where=where,
+        )
     low, high = meta.get("min"), meta.get("max")
     if low is not None and value < low:
         allowed = f">= {low}" + (f" and <= {high}" if high is not None else "")
