@@ -199,10 +199,71 @@ def test_corrupted_shard_is_named_and_nothing_is_loaded(saved, tmp_path):
     shard.write_bytes(bytes(shard.stat().st_size))
     learner = LocalLearner(tiny_config())
     before = snapshot(learner)
-    with pytest.raises(CheckpointError, match=r"__0_0.distcp is corrupted: a record in it"):
+    with pytest.raises(CheckpointError, match=r"record '.+' in __0_0\.distcp is corrupted \(xxh3"):
         load(learner, path)
     assert_same_tensors(snapshot(learner)["weights"], before["weights"])
     assert learner.step == 0
+    # A step saved before checksums existed: the structural damage is still named.
+    (path / "checksums.json").unlink()
+    with (
+        pytest.warns(UserWarning, match="has no checksums.json"),
+        pytest.raises(CheckpointError, match=r"__0_0.distcp is corrupted: a record in it"),
+    ):
+        load(learner, path)
+    assert_same_tensors(snapshot(learner)["weights"], before["weights"])
+
+
+def flip_one_bit_of(path, key_prefix: str) -> str:
+    """Flip one bit in the tensor data of the first record whose key starts with `key_prefix`:
+    the record still decodes, to a different value; only its checksum can tell."""
+    import io
+    import struct
+    import zipfile
+
+    from titan_learner.checkpoint.safe_read import read_metadata
+
+    metadata = read_metadata(path)
+    index, info = next(
+        (i, v) for i, v in metadata.storage_data.items() if i.fqn.startswith(key_prefix)
+    )
+    file = path / info.relative_path
+    data = bytearray(file.read_bytes())
+    record = bytes(data[info.offset : info.offset + info.length])
+    entry = next(
+        e for e in zipfile.ZipFile(io.BytesIO(record)).infolist() if "/data/" in e.filename
+    )
+    name_length, extra_length = struct.unpack(
+        "<HH", record[entry.header_offset + 26 : entry.header_offset + 30]
+    )
+    start = entry.header_offset + 30 + name_length + extra_length  # the tensor's bytes
+    data[info.offset + start + entry.file_size // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    return index.fqn
+
+
+@pytest.mark.parametrize("prefix", ["model.", "optimizer.state.tok_embeddings.weight.exp_avg"])
+def test_one_flipped_bit_in_a_weight_or_optimizer_record_is_caught(saved, tmp_path, prefix):
+    path = damaged_copy(saved, tmp_path)
+    key = flip_one_bit_of(path, prefix)
+    learner = LocalLearner(tiny_config())
+    before = snapshot(learner)
+    with pytest.raises(CheckpointError) as info:
+        load(learner, path)
+    message = str(info.value)
+    assert f"checkpoint {path}: record '{key}' in __0_0.distcp is corrupted (xxh3_64 " in message
+    assert_same_tensors(snapshot(learner)["weights"], before["weights"])
+
+
+def test_altered_metadata_is_caught(saved, tmp_path):
+    path = damaged_copy(saved, tmp_path)
+    metadata = path / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[-1] ^= 0x01
+    metadata.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata (does not match its checksum|is unreadable)"
+    ):
+        load(LocalLearner(tiny_config()), path)
 
 
 def other_model(**overrides: int) -> LocalLearner:

@@ -2,7 +2,8 @@
 
 Under one checkpoint root directory:
 
-    <root>/step-<N>/       a committed checkpoint (DCP: `.metadata` + `__<rank>_<i>.distcp`)
+    <root>/step-<N>/       a committed checkpoint (DCP: `.metadata` + `__<rank>_<i>.distcp`,
+                           and `checksums.json`: see checkpoint.integrity)
     <root>/step-<N>.tmp/   a save in progress, or one that died mid-way: never loaded
     <root>/latest          the name of the newest committed step directory, written last
 

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from titan_learner.checkpoint.errors import CheckpointError
+from titan_learner.checkpoint.integrity import Checksums, load_checksums
 from titan_learner.checkpoint.layout import METADATA, resolve
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -108,17 +109,25 @@ def _unpickling_reason(err: BaseException) -> str:
 class SafeReader(FileSystemReader):
     """DCP's file reader, handed the metadata we already read safely (not `pickle.load`).
 
-    It also remembers which shard file it is reading, so a corrupted one is named.
+    It also remembers which shard file it is reading, so a corrupted one is named, and
+    verifies each record against the step's checksums (checkpoint.integrity) as it reads it.
     """
 
-    def __init__(self, path: Path, metadata: Metadata) -> None:
+    def __init__(self, path: Path, metadata: Metadata, checksums: Checksums | None = None) -> None:
         super().__init__(path)
         self._metadata = metadata
+        self._checksums = checksums
         self._reading = "?"
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        """The record's bytes, verified against the checksum saved with them."""
         self._reading = sinfo.relative_path
-        return super()._slice_file(file, sinfo)
+        view = super()._slice_file(file, sinfo)
+        if self._checksums is None:
+            return view
+        data = view.read()
+        self._checksums.verify(sinfo.relative_path, sinfo.offset, data)
+        return io.BytesIO(data)
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
         try:
@@ -180,8 +189,9 @@ def check_shard_files(path: Path, metadata: Metadata) -> None:
         raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
 
 
-def open_step(root: Path, step: int | None) -> tuple[Path, Metadata]:
+def open_step(root: Path, step: int | None) -> tuple[Path, Metadata, Checksums | None]:
+    """The step directory to load, its metadata and checksums, every file checked present."""
     path = resolve(root, step)
     metadata = read_metadata(path)
     check_shard_files(path, metadata)
-    return path, metadata
+    return path, metadata, load_checksums(path, metadata)

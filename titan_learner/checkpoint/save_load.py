@@ -42,8 +42,9 @@ from titan_learner.checkpoint.agreement import (
 )
 from titan_learner.checkpoint.async_save import AlreadyStaged, SaveHandle, on_cpu, then_commit
 from titan_learner.checkpoint.errors import CheckpointError
+from titan_learner.checkpoint.integrity import write_checksums
 from titan_learner.checkpoint.layout import commit, prepare, step_dir, tmp_dir
-from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open_step
+from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open_step, read_metadata
 from titan_learner.ranks import rank, world_size
 
 RNG_KEY = "rng"
@@ -183,6 +184,13 @@ def _check_options(keep_latest_k: int, timeout: float) -> None:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
 
 
+def _commit_with_checksums(root: Path, step: int, keep_latest_k: int) -> Path:
+    """Rank 0, after every shard is on disk: checksums of every record, then the commit."""
+    staged = tmp_dir(root, step)
+    write_checksums(staged, read_metadata(staged))
+    return commit(root, step, keep_latest_k)
+
+
 def save(
     learner: Checkpointable,
     directory: str | os.PathLike,
@@ -223,7 +231,7 @@ def save(
         state[EXTRA_KEY] = extra
     writer = FileSystemWriter(tmp_dir(root, step))
     no_dist = group is None
-    commit_step = lambda: commit(root, step, keep_latest_k)  # noqa: E731
+    commit_step = lambda: _commit_with_checksums(root, step, keep_latest_k)  # noqa: E731
     if not asynchronous:
         with dcp_call(operation, no_dist):
             dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
@@ -270,7 +278,7 @@ def load(
     operation = f"checkpoint load from {root}"
     group = checkpoint_group(timeout)
     join(group, timeout, operation)
-    path, metadata = everywhere(group, operation, lambda: open_step(root, step))
+    path, metadata, checksums = everywhere(group, operation, lambda: open_step(root, step))
     operation = f"checkpoint load of {path}"
     state = _template(learner, metadata)
     if extra:
@@ -279,7 +287,7 @@ def load(
     with dcp_call(operation, group is None):
         dcp.load(
             state,
-            storage_reader=SafeReader(path, metadata),
+            storage_reader=SafeReader(path, metadata, checksums),
             planner=SafeLoadPlanner(),
             process_group=group,
             no_dist=group is None,
