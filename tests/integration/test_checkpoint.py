@@ -445,3 +445,18 @@ def test_a_rank_that_skips_a_save_ends_it_with_a_timeout_error(world2):
     assert "not every rank joined within 5 s" in outcome["error"]
     assert "Ranks 1 failed" in outcome["error"]
     assert SKIP_TIMEOUT_S <= outcome["seconds"] < SKIP_TIMEOUT_S + 10
+
+
+def test_a_resume_says_nothing_a_user_cannot_act_on(saved, recwarn):
+    load(LocalLearner(tiny_config()), saved["path"])
+    assert not [w for w in recwarn if "learning rate" in str(w.message)]
+
+
+def test_a_killed_latest_write_is_cleaned_at_the_next_save(tmp_path):
+    learner = LocalLearner(tiny_config())
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    leftover = root / ".latest.99999.tmp"
+    leftover.write_text("step-7\n")
+    save(learner, root).wait()
+    assert not leftover.exists() and latest(root).name == "step-0"

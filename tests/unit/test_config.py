@@ -248,6 +248,14 @@ def test_load_config_missing_file(tmp_path):
     assert str(info.value) == f"{path}: file not found"
 
 
+def test_load_config_not_utf8(tmp_path):
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"[run]\nseed = 1\n\xff\xfe\x00")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: not UTF-8 text (byte 15); allowed: a TOML file"
+
+
 def test_load_config_directory(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path)

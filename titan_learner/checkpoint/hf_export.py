@@ -60,13 +60,8 @@ BASE_MODEL_FILES = (
 )
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-# Warnings of a resume that mean nothing to an export: RNG states, a mid-window checkpoint, and
-# TorchTitan's LR scheduler load_state_dict calling get_lr() (torch warns on every load).
-_IRRELEVANT_WARNINGS = (
-    "RNG states not restored",
-    "checkpoint was taken",
-    "To get the last learning rate computed by the scheduler",
-)
+# Warnings of a resume that mean nothing to an export: RNG states and a mid-window checkpoint.
+_IRRELEVANT_WARNINGS = ("RNG states not restored", "checkpoint was taken")
 
 
 class ExportError(RuntimeError):

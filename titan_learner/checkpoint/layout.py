@@ -85,6 +85,8 @@ def prepare(root: Path, step: int) -> Path:
     tmp = tmp_dir(root, step)
     if tmp.exists():  # a save of this step that died before its commit
         shutil.rmtree(tmp)
+    for pointer in root.glob(f".{LATEST}.*{TMP_SUFFIX}"):  # a `latest` write that was killed
+        pointer.unlink(missing_ok=True)
     tmp.mkdir()
     return tmp
 

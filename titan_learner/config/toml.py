@@ -83,11 +83,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read, override and validate a TOML file into a typed Config."""
     source = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError("file not found", source=source) from None
     except OSError as err:
         raise ConfigError(f"cannot read file: {err.strerror}", source=source) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"not UTF-8 text (byte {err.start}); allowed: a TOML file", source=source
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

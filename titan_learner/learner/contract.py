@@ -388,7 +388,9 @@ class Learner:
         """
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        with warnings.catch_warnings():  # torch's scheduler calls get_lr() while loading
+            warnings.filterwarnings("ignore", message="To get the last learning rate computed")
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         load_loss_own_state(self.loss_module, self.model, state["loss"])
         counters = dict(state["stepper"])
         accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
