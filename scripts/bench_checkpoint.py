@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ import torch
 import torch.distributed as dist
 
 from titan_learner import checkpoint
+from titan_learner.checkpoint.integrity import CHECKSUMS, write_checksums
+from titan_learner.checkpoint.layout import latest
+from titan_learner.checkpoint.safe_read import read_metadata
 from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
@@ -119,16 +123,33 @@ def fresh(path: Path) -> Path:
     return path
 
 
+def rehash(step_dir: Path) -> None:
+    """What a save adds for integrity: rank 0 hashes every record at commit (the others wait)."""
+    if dist.get_rank() == 0:
+        write_checksums(step_dir, read_metadata(step_dir))
+
+
 def measure(learner: TitanLearner, base: Path, repeats: int) -> dict[str, list[float]]:
     rank = dist.get_rank()
     local = local_tensors(learner.checkpoint())
-    times: dict[str, list[float]] = {
-        k: [] for k in ("save", "torch.save", "load", "torch.load", "async", "async_done")
-    }
+    keys = ("save", "torch.save", "load", "torch.load", "async", "async_done")
+    times: dict[str, list[float]] = {k: [] for k in (*keys, "checksums", "load unverified")}
     for _ in range(repeats):
         root = fresh(base / "dcp")
         times["save"].append(timed(lambda root=root: checkpoint.save(learner, root).wait()))
         times["load"].append(timed(lambda root=root: checkpoint.load(learner, root)))
+        times["checksums"].append(timed(lambda root=root: rehash(latest(root))))
+        unverified = fresh(base / "unverified")
+        if rank == 0:  # the same step without its checksums: loaded unverified (with a warning)
+            shutil.copytree(latest(root), unverified / "step-0")
+            (unverified / "step-0" / CHECKSUMS).unlink()
+            (unverified / "latest").write_text("step-0\n")
+        dist.barrier()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*no checksums.json")
+            times["load unverified"].append(
+                timed(lambda root=unverified: checkpoint.load(learner, root))
+            )
         file = fresh(base / "torch") / f"rank{rank}.pt"
         times["torch.save"].append(timed(lambda file=file: torch_save(local, file)))
         times["torch.load"].append(timed(lambda file=file: torch.load(file, weights_only=True)))
@@ -162,6 +183,11 @@ def report(times: dict[str, list[float]], nbytes: int, learner: TitanLearner, ar
     rows.append(
         f"async save blocks {med['async']:.3f} s = {med['async'] / med['save']:.2f} x the "
         f"synchronous save; committed after {med['async_done']:.3f} s"
+    )
+    rows.append(
+        f"checksums: writing them takes {med['checksums']:.3f} s "
+        f"({med['checksums'] / med['save']:.2f} x the save); a verified load takes "
+        f"{med['load'] / med['load unverified']:.2f} x an unverified one"
     )
     return "\n".join(rows)
 

@@ -127,7 +127,7 @@ class SafeReader(FileSystemReader):
             return view
         data = view.read()
         self._checksums.verify(sinfo.relative_path, sinfo.offset, data)
-        return io.BytesIO(data)
+        return io.BytesIO(data)  # read once: torch.load decodes the bytes that were verified
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
         try:
