@@ -216,3 +216,16 @@ def test_a_job_without_rewards_or_with_two_of_one_name(tmp_path, capsys, tokeniz
     assert "[[reward]] #2 name: two rewards are named 'math' (#1 and #2)" in err
     config.write_text(text + '[[reward]]\nfunction = "regex"\n')
     assert "[[reward]] #2 pattern: regex needs a pattern" in train(capsys, config)
+
+
+def test_the_first_rows_are_read_without_parsing_the_rest(tmp_path):
+    from titan_learner.data.errors import DataError
+    from titan_learner.data.files import read_rows
+
+    path = tmp_path / "big.jsonl"
+    lines = [f'{{"question": "q{i}", "answer": "{i}"}}' for i in range(10)]
+    lines[7] = "{broken"
+    path.write_text("\n".join(lines) + "\n")
+    assert [r.values["answer"] for r in read_rows(path, limit=5)] == ["0", "1", "2", "3", "4"]
+    with pytest.raises(DataError, match=rf"{path}:8: not valid JSON"):
+        read_rows(path)

@@ -28,13 +28,14 @@ def resolve(path: str, base_dir: Path) -> Path:
     return candidate if candidate.is_absolute() else base_dir / candidate
 
 
-def read_rows(path: Path) -> list[Row]:
-    """Every row of one file; DataError names the file (and line) of anything malformed."""
+def read_rows(path: Path, limit: int | None = None) -> list[Row]:
+    """Every row of one file (JSONL: the first `limit` when given, without reading the rest);
+    DataError names the file (and line) of anything malformed."""
     if not path.is_file():
         raise DataError(f"data file {path} not found; allowed: a local {', '.join(SUFFIXES)} file")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl(path)
+        return _read_jsonl(path, limit)
     if suffix == ".json":
         return _read_json(path)
     if suffix == ".parquet":
@@ -42,10 +43,12 @@ def read_rows(path: Path) -> list[Row]:
     raise DataError(f"data file {path}: unknown format {suffix!r}; allowed: {', '.join(SUFFIXES)}")
 
 
-def _read_jsonl(path: Path) -> list[Row]:
-    rows = []
+def _read_jsonl(path: Path, limit: int | None = None) -> list[Row]:
+    rows: list[Row] = []
     with path.open(encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
+            if limit is not None and len(rows) >= limit:
+                break
             if not line.strip():
                 continue
             try:

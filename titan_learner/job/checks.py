@@ -135,7 +135,7 @@ def check_job_inputs(
 
 def _check_first_rows(config: Config, path: Path, keys: list[str]) -> None:
     try:
-        rows = read_rows(path)
+        rows = read_rows(path, limit=KEY_CHECK_ROWS)  # the job reads them all later
     except DataError as err:
         raise ConfigError(str(err), source=config.source, where="[data]") from None
     if not rows:
