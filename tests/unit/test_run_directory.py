@@ -67,12 +67,12 @@ def test_a_finished_run_is_never_truncated_and_overwrite_moves_it_aside(tmp_path
         "allowed: --resume to continue it, --overwrite to move it aside first, or a new output_dir"
     )
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    assert (
-        RunDirectory(run, "run.toml").acquire(resume=True, overwrite=False) is None
-    )  # resume: fine
-    moved = RunDirectory(run, "run.toml")
-    moved.release()
-    (run / LOCK).unlink()
+    with pytest.raises(ConfigError, match="but no committed checkpoint to resume from"):
+        RunDirectory(run, "run.toml").acquire(resume=True, overwrite=False)
+    (run / "checkpoints" / "latest").write_text("step-1\n")
+    resumed = RunDirectory(run, "run.toml")
+    assert resumed.acquire(resume=True, overwrite=False) is None  # a resumable run: continued
+    resumed.release()
     aside = RunDirectory(run, "run.toml").acquire(resume=False, overwrite=True)
     assert aside is not None and aside.name.startswith("run.old-")
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'

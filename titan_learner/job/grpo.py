@@ -278,7 +278,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     history = []
     every = config.eval.every_steps
 
-    def save(step: int, asynchronous: bool) -> None:
+    def save(asynchronous: bool) -> None:
         learner.save(
             checkpoints,
             keep_latest_k=config.checkpoint.keep_latest_k,
@@ -307,14 +307,14 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                 if preemption.stop_now(learner.device):
                     wait_for_pending_save()
                     if latest(checkpoints) is None or latest(checkpoints).name != f"step-{step}":
-                        save(step, asynchronous=False)
+                        save(asynchronous=False)
                     say(
                         f"preempted (SIGTERM): saved step {step} to {checkpoints}; continue with --resume",
                         flush=True,
                     )
                     break
                 if config.checkpoint.interval and step % config.checkpoint.interval == 0:
-                    save(step, asynchronous=config.checkpoint.async_save)
+                    save(asynchronous=config.checkpoint.async_save)
             wait_for_pending_save()
     finally:
         plot = telemetry.close()

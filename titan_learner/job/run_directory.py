@@ -4,8 +4,9 @@
   the model is built; a second run into the same directory is refused while it is held. A lock
   left by a process that no longer runs is reported with its pid, never silently taken over.
 - A run without --resume into a directory that holds a previous run (checkpoints or metrics)
-  is refused: nothing of it is truncated or replaced. `--overwrite` moves the old run aside to
-  `<output_dir>.old-<time>` first; nothing is deleted.
+  is refused: nothing of it is truncated or replaced; so is --resume when that run left no
+  committed checkpoint (it would start over on top of its metrics). `--overwrite` moves the old
+  run aside to `<output_dir>.old-<time>` first; nothing is deleted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import time
 from pathlib import Path
 
+from titan_learner.checkpoint.layout import LATEST
 from titan_learner.config.errors import ConfigError
 
 LOCK = ".titan_learner.lock"
@@ -57,14 +59,24 @@ class RunDirectory:
         self._check_lock()
         moved = None
         previous = [name for name in PREVIOUS_RUN if (self.path / name).exists()]
-        if previous and not resume:
-            if not overwrite:
+        resumable = (self.path / "checkpoints" / LATEST).exists()
+        if previous and not (resume and resumable):  # a resumable run is continued, not replaced
+            if overwrite:
+                moved = self.path.with_name(
+                    f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+                )
+                os.replace(self.path, moved)
+            elif resume:
+                raise self._error(
+                    f"{self.path} holds a previous run ({', '.join(previous)}) but no committed "
+                    "checkpoint to resume from; starting over would replace its metrics. "
+                    "Allowed: --overwrite to move it aside first, or a new output_dir"
+                )
+            else:
                 raise self._error(
                     f"{self.path} holds a previous run ({', '.join(previous)}); allowed: --resume "
                     "to continue it, --overwrite to move it aside first, or a new output_dir"
                 )
-            moved = self.path.with_name(f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            os.replace(self.path, moved)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
