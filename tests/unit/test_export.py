@@ -428,7 +428,7 @@ def test_config_to_toml_round_trips_awkward_values(tmp_path):
             "optimizer": {"lr": 3e-7, "betas": [0.5, 0.999]},
             "learner": {"clip_norm": 0.0},
             "loss": {"name": "grpo", "clip_epsilon": [0.2, 0.28], "entropy_coeff": 1e-3},
-            "run": {"output_dir": "out/ünï code", "seed": 123456789012},
+            "run": {"output_dir": "out/ünï code", "seed": 2**31 - 1},  # the largest seed
         }
     )
     text = config_to_toml(config)
