@@ -120,6 +120,11 @@ BAD_JOBS = {
         ["rollout.prompts_per_step=3", "parallelism.dp_shard=2", "--world-size-2"],
         "[rollout] prompts_per_step: 3 prompts do not split over 2 data-parallel ranks",
     ),
+    "sequence too long for the model": (
+        ["model.overrides.max_seq_len=20"],
+        "[data] max_prompt_tokens: max_prompt_tokens + max_new_tokens = 16 + 8 = 24 positions, "
+        "but the model covers 20 (max_seq_len)",
+    ),
     "group of one": (
         ["rollout.group_size=1"],
         "[rollout] group_size: 1 is out of range; allowed: >= 2",

@@ -76,11 +76,12 @@ def validate(
         lambda: attention_backend(config, device), lambda: config.model.attention
     )
     machine_check(lambda: require_hf_checkpoint(config), lambda: None)
-    parameters, vocab = check_model_shape(config)
+    shape = check_model_shape(config)
     if job:
-        from titan_learner.job.checks import check_job_inputs
+        from titan_learner.job.checks import check_job_inputs, check_sequence_length
 
-        check_job_inputs(config, lambda check: machine_check(check, lambda: None), vocab)
+        check_sequence_length(config, shape.max_seq_len)
+        check_job_inputs(config, lambda check: machine_check(check, lambda: None), shape.vocab_size)
     return Validated(
         world_size=world_size,
         dp_replicate=dp_replicate,
@@ -88,7 +89,7 @@ def validate(
         tp=tp,
         device_type=device,
         attention=attention,
-        parameters=parameters,
+        parameters=shape.parameters,
         warnings=warnings,
     )
 
@@ -224,13 +225,23 @@ def require_hf_checkpoint(config: Config) -> None:
         raise ConfigError(problem, source=config.source, where="[model] hf_checkpoint")
 
 
-def check_model_shape(config: Config) -> tuple[int, int]:
-    """Build the model on the meta device (flavor, overrides, heads against tp); its
-    parameter count and vocabulary size."""
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    vocab_size: int
+    max_seq_len: int  # the longest sequence its RoPE tables cover
+
+
+def check_model_shape(config: Config) -> ModelShape:
+    """Build the model on the meta device (flavor, overrides, heads against tp); its size."""
     from titan_learner.model.parallelize import prepare_model_config
     from titan_learner.model.spec import build_meta, model_spec
 
     spec = model_spec(config.model, "sdpa", config.source)
     prepare_model_config(spec, config)
     model = build_meta(spec, config.source)
-    return sum(p.numel() for p in model.parameters()), spec.model.vocab_size
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()),
+        vocab_size=spec.model.vocab_size,
+        max_seq_len=spec.model.layers[0].attention.rope.max_seq_len,
+    )

@@ -92,6 +92,21 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
         )
 
 
+def check_sequence_length(config: Config, max_seq_len: int) -> None:
+    """A prompt and its completion must fit the positions the model covers (its RoPE tables)."""
+    longest_new = max(config.rollout.max_new_tokens, config.eval.max_new_tokens)
+    needed = config.data.max_prompt_tokens + longest_new
+    if needed > max_seq_len:
+        raise ConfigError(
+            f"max_prompt_tokens + max_new_tokens = {config.data.max_prompt_tokens} + "
+            f"{longest_new} = {needed} positions, but the model covers {max_seq_len} "
+            "(max_seq_len); allowed: shorter prompts or completions, or a larger "
+            "[model.overrides] max_seq_len",
+            source=config.source,
+            where="[data] max_prompt_tokens",
+        )
+
+
 def check_job_inputs(
     config: Config, machine_check: Callable[[Callable[[], None]], None], model_vocab: int
 ) -> None:
