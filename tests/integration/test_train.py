@@ -228,3 +228,23 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(tmp_path):
     got = [[r[k] for k in keys] for r in training_lines(cut)]
     want = [[r[k] for k in keys] for r in training_lines(whole)]
     assert len(got) == steps and got == want
+
+
+def test_resume_with_a_changed_config_lists_the_changes_or_refuses_the_model(tmp_path, capsys):
+    base = [
+        "--config", str(TOY), "--set", "rollout.prompts_per_step=16", "--set", "rollout.group_size=8",
+        "--set", "eval.max_prompts=8", "--set", "checkpoint.interval=1",
+        "--set", f'run.output_dir="{tmp_path}"',
+    ]  # fmt: skip
+    assert main([*base, "--set", "run.steps=1"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--resume", "--set", "run.steps=2", "--set", "optimizer.lr=1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming with changed: optimizer.lr 0.0007 -> 0.0001, run.steps 1 -> 2" in out
+    assert main([*base, "--resume", "--set", "run.steps=3", "--set", "model.overrides.dim=32"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {TOY}: [model.overrides] dim: the checkpoint in {tmp_path / 'checkpoints'} was "
+        "trained with dim = 64, the config says 32; allowed: 64 (what a checkpoint holds cannot "
+        "change on resume), or a new output_dir\n"
+    )

@@ -229,9 +229,14 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.job.evaluation import evaluate
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
+    from titan_learner.job.resume import check_resume, touches_hyperparameters
     from titan_learner.job.telemetry import Telemetry
     from titan_learner.learner.titan import TitanLearner
 
+    output_dir = Path(config.run.output_dir)
+    checkpoints = output_dir / "checkpoints"
+    # A config the checkpoint cannot follow is refused before anything is built or loaded.
+    changes = check_resume(checkpoints, config) if resume and latest(checkpoints) else []
     inputs = read_inputs(config)  # every input problem surfaces before the model is built
     learner = TitanLearner.from_config(config)
     # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
@@ -241,14 +246,16 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
         else None
     )
     loader = PromptLoader(inputs.train, config.rollout.prompts_per_step, config.run.seed)
-    output_dir = Path(config.run.output_dir)
-    checkpoints = output_dir / "checkpoints"
     say = print if rank() == 0 else (lambda *args, **kwargs: None)
     if inputs.skipped:
         say(f"skipped {inputs.skipped} prompt(s) longer than max_prompt_tokens", flush=True)
     if resume and latest(checkpoints) is not None:
+        if changes:
+            say("resuming with changed: " + ", ".join(map(str, changes)), flush=True)
         extra = {"data": loader.state_dict()}
-        learner.load(checkpoints, extra=extra)
+        learner.load(
+            checkpoints, extra=extra, hyperparameters_from_config=touches_hyperparameters(changes)
+        )
         loader.load_state_dict(extra["data"])
         say(f"resumed from {latest(checkpoints)} (step {learner.step})", flush=True)
     elif resume:

@@ -374,12 +374,49 @@ class Learner:
             save_resolved_config(self.config, directory)
         return checkpoint.save(self, directory, **options)
 
-    def load(self, directory: str, **options: Any) -> Any:
+    def load(
+        self, directory: str, *, hyperparameters_from_config: bool = False, **options: Any
+    ) -> Any:
         """Restore a DCP checkpoint from disk (a collective on every rank): see
-        titan_learner.checkpoint.load."""
+        titan_learner.checkpoint.load.
+
+        hyperparameters_from_config=True: the optimizer's lr, betas, eps and weight decay and
+        the loss's own buffers (e.g. its clip bounds) keep this learner's config instead of the
+        checkpoint's: a resume whose config changed them follows the config. The learning-rate
+        schedule keeps its position (the step).
+        """
         from titan_learner import checkpoint
 
-        return checkpoint.load(self, directory, **options)
+        buffers = {
+            name: tensor.detach().clone()
+            for name, tensor in loss_own_state(self.loss_module, self.model).items()
+            if not isinstance(tensor, nn.Parameter)
+        }
+        path = checkpoint.load(self, directory, **options)
+        if hyperparameters_from_config:
+            with torch.no_grad():
+                own = loss_own_state(self.loss_module, self.model)
+                for name, value in buffers.items():
+                    own[name].copy_(value)
+            self._apply_optimizer_config()
+        return path
+
+    def _apply_optimizer_config(self) -> None:
+        """[optimizer] onto every param group; the schedule's factor at its current step."""
+        o = self.config.optimizer
+        for scheduler, optimizer in zip(
+            self.lr_scheduler.schedulers, self.optimizer.optimizers, strict=True
+        ):
+            scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
+            for index, group in enumerate(optimizer.param_groups):
+                factor = scheduler.lr_lambdas[index](scheduler.last_epoch)
+                group.update(
+                    lr=o.lr * factor,
+                    initial_lr=o.lr,
+                    betas=tuple(o.betas),
+                    eps=o.eps,
+                    weight_decay=o.weight_decay,
+                )
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Restore a `checkpoint()` from memory (reads nothing from disk; `load` does).
