@@ -460,3 +460,26 @@ def test_a_killed_latest_write_is_cleaned_at_the_next_save(tmp_path):
     leftover.write_text("step-7\n")
     save(learner, root).wait()
     assert not leftover.exists() and latest(root).name == "step-0"
+
+
+def test_a_full_disk_names_the_cause_removes_the_partial_step_and_keeps_the_last(
+    saved, tmp_path, monkeypatch
+):
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved["path"].parent, root)
+    before = latest(root)
+
+    def full_disk(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    learner = LocalLearner(tiny_config())
+    train(learner, batches(SAVE_AT + 1))
+    with pytest.raises(CheckpointError, match=r"No space left on device"):
+        save(learner, root)
+    assert latest(root) == before
+    assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]

@@ -68,3 +68,21 @@ def test_overrides_that_agree_are_accepted(model_dir):
     name, table = model_dir
     config = config_from_dict({"model": {"name": name, **table}})
     assert LocalLearner(config).vocab_size == table["overrides"]["vocab_size"]
+
+
+def test_a_damaged_safetensors_file_is_named(tmp_path):
+    import shutil
+
+    directory = tmp_path / "damaged"
+    source = make_model_dir(tmp_path / "model")["hf_checkpoint"]
+    shutil.copytree(source, directory)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short, as by a failed download
+    config = config_from_dict({"model": {"hf_checkpoint": str(directory)}}, source="run.toml")
+    with pytest.raises(ConfigError) as info:
+        LocalLearner(config)
+    message = str(info.value)
+    assert message.startswith(
+        f"run.toml: [model] hf_checkpoint: {weights} is not a readable safetensors file ("
+    )
+    assert message.endswith("allowed: the model directory's own, complete *.safetensors files")

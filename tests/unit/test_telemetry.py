@@ -88,3 +88,24 @@ def test_disabled_records_nothing(tmp_path: Path, capsys) -> None:
     assert off.close() is None
     assert not (tmp_path / "run").exists()
     assert capsys.readouterr().out == ""
+
+
+def test_a_failing_close_never_hides_the_error_that_ended_the_run(tmp_path):
+    from titan_learner.job.grpo import close_quietly
+
+    class Broken:
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    with (
+        pytest.raises(RuntimeError, match="the real error"),
+        pytest.warns(
+            UserWarning,
+            match="closing the telemetry failed too: OSError: .*No space left on device",
+        ),
+    ):
+        try:
+            raise RuntimeError("the real error")
+        except RuntimeError:
+            close_quietly(Broken())
+            raise

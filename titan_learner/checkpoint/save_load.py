@@ -22,6 +22,7 @@ lazily, so DCP stays out of the import path of code that never checkpoints.
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -233,8 +234,13 @@ def save(
     no_dist = group is None
     commit_step = lambda: _commit_with_checksums(root, step, keep_latest_k)  # noqa: E731
     if not asynchronous:
-        with dcp_call(operation, no_dist):
-            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        try:
+            with dcp_call(operation, no_dist):
+                dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        except CheckpointError:
+            if rank() == 0:  # a full disk: free what the failed write took; `latest` is intact
+                shutil.rmtree(tmp_dir(root, step), ignore_errors=True)
+            raise
         on_rank0(group, operation, commit_step)
         return SaveHandle(step_dir(root, step), operation)
     with dcp_call(operation, no_dist):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,17 @@ def sync_generator(learner, generator) -> None:
     from titan_learner.weights.sinks import GeneratorSink, push_weights
 
     push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False, checksum=False)
+
+
+def close_quietly(telemetry) -> None:
+    """Close the telemetry while another error propagates: its own failure (a full disk while
+    plotting, say) is reported as a warning, not raised over the error that matters."""
+    try:
+        telemetry.close()
+    except Exception as err:
+        warnings.warn(
+            f"closing the telemetry failed too: {type(err).__name__}: {err}", stacklevel=2
+        )
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -323,8 +335,10 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                 if config.checkpoint.interval and step % config.checkpoint.interval == 0:
                     save(asynchronous=config.checkpoint.async_save)
             wait_for_pending_save()
-    finally:
-        plot = telemetry.close()
+    except BaseException:
+        close_quietly(telemetry)  # the plot must never hide the real error
+        raise
+    plot = telemetry.close()
     if plot is not None:
         say(f"curves: {plot}", flush=True)
     return history

@@ -63,7 +63,7 @@ def build_model(
     spec = model_spec(config.model, attention_backend(config, kind), config.source)
     if sharded:
         prepare_model_config(spec, config)
-    full = full_initial_state(spec, config.model, config.run.seed)
+    full = full_initial_state(spec, config.model, config.run.seed, config.source)
     model = build_meta(spec, config.source)
     if sharded:
         model = parallelize(model, spec, dims, config)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from titan_learner.config.errors import ConfigError
 from titan_learner.model.spec import build_meta
 from titan_learner.weights.matching import match_named_tensors
 
@@ -37,11 +38,11 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def full_initial_state(
-    spec: ModelSpec, section: ModelSection, seed: int
+    spec: ModelSpec, section: ModelSection, seed: int, source: str = "<config>"
 ) -> dict[str, torch.Tensor]:
     """The layout-independent starting weights: an HF checkpoint, or a seeded full init on CPU."""
     if section.hf_checkpoint:
-        return load_hf_checkpoint(spec, section.hf_checkpoint)
+        return load_hf_checkpoint(spec, section.hf_checkpoint, source)
     if section.init == "transformers":
         return transformers_initial_state(spec, seed)
     model = build_meta(spec)
@@ -73,14 +74,24 @@ def _with_tied_alias(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[st
     return state
 
 
-def load_hf_checkpoint(spec: ModelSpec, directory: str) -> dict[str, torch.Tensor]:
+def load_hf_checkpoint(
+    spec: ModelSpec, directory: str, source: str = "<config>"
+) -> dict[str, torch.Tensor]:
     """Read *.safetensors of an HF model directory into TorchTitan names via the model's adapter."""
     from safetensors.torch import load_file
 
     files = sorted(Path(directory).glob("*.safetensors"))
     hf_state: dict[str, torch.Tensor] = {}
     for file in files:
-        hf_state.update(load_file(str(file)))
+        try:
+            hf_state.update(load_file(str(file)))
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            raise ConfigError(
+                f"{file} is not a readable safetensors file ({type(err).__name__}: {err}); "
+                "allowed: the model directory's own, complete *.safetensors files",
+                source=source,
+                where="[model] hf_checkpoint",
+            ) from None
     adapter = spec.state_dict_adapter(spec.model, None)
     return _with_tied_alias(spec, adapter.from_hf(hf_state))
 
