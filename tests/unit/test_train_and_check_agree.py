@@ -1,0 +1,62 @@
+"""`check` never approves what `train` rejects: one table of bad configs through both commands,
+the same exit code (2) and the same one line. (What depends on the machine, a CUDA device or a
+local path, is a warning in `check` by design: a cluster config is often checked elsewhere.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from titan_learner.cli import main
+
+TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
+
+BAD = {
+    "unknown key": (["parallelism.tpp=2"], "[parallelism]: unknown key 'tpp' (did you mean 'tp'?)"),
+    "loss keyword": (["loss.clip_eps=0.2"], "[loss]: unknown key 'clip_eps' for loss 'grpo'"),
+    "lr nan": (["optimizer.lr=nan"], "[optimizer] lr: nan is not a finite number"),
+    "group of one": (["rollout.group_size=1"], "[rollout] group_size: 1 is out of range"),
+    "no prompts": (["data.train_files=[]"], "[data] train_files: none given"),
+    "vocabulary too small": (
+        ["model.overrides.vocab_size=12"],
+        "the tokenizer has 14 tokens but the model's vocab_size is 12",
+    ),
+    "sequence too long": (
+        ["model.overrides.max_seq_len=20"],
+        "[data] max_prompt_tokens: max_prompt_tokens + max_new_tokens = 16 + 8 = 24 positions",
+    ),
+    "heads and tp": (
+        ["parallelism.tp=3", "parallelism.dp_shard=1", "--world-size=3"],
+        "[parallelism] tp: tp = 3 must divide n_heads (4)",
+    ),
+    "prompts per rank": (
+        ["rollout.prompts_per_step=3", "parallelism.dp_shard=2", "--world-size=2"],
+        "[rollout] prompts_per_step: 3 prompts do not split over 2 data-parallel ranks",
+    ),
+    "compile, tp and ac": (
+        ["compile.enable=true", "parallelism.tp=2", "activation_checkpoint.mode=full"],
+        "[compile] enable: compile with tensor parallel and activation checkpointing together",
+    ),
+}
+
+
+def command(name: str, overrides: list[str]) -> list[str]:
+    sets = [a for o in overrides if not o.startswith("--") for a in ("--set", o)]
+    return [name, "--config", str(TOY), *sets]
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_train_and_check_reject_alike(case, capsys, monkeypatch, tmp_path):
+    overrides, message = BAD[case]
+    world = next((o.split("=")[1] for o in overrides if o.startswith("--world-size")), "1")
+    monkeypatch.setenv("WORLD_SIZE", world)  # what torchrun sets; check reads it too
+    outputs = {}
+    for name in ("train", "check"):
+        extra = ["--set", f'run.output_dir="{tmp_path / name}"']
+        assert main([*command(name, overrides), *extra]) == 2, name
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, (name, captured)
+        outputs[name] = captured.err
+    assert outputs["train"] == outputs["check"]
+    assert outputs["train"].startswith(f"error: {TOY}: ") and message in outputs["train"]
