@@ -100,6 +100,11 @@ def tokenizer_dir(config: Config) -> Path:
     )
 
 
+def tokenizer_key(config: Config) -> str:
+    """The config key that names the tokenizer directory, for errors."""
+    return "[tokenizer] path" if config.tokenizer.path else "[model] hf_checkpoint"
+
+
 def require_tokenizer_dir(config: Config) -> Path:
     """The tokenizer directory, which must exist (ConfigError naming it otherwise)."""
     directory = tokenizer_dir(config)
@@ -108,7 +113,7 @@ def require_tokenizer_dir(config: Config) -> Path:
             f"tokenizer directory {directory} not found; allowed: a directory with "
             "tokenizer.json / tokenizer_config.json",
             source=config.source,
-            where="[tokenizer] path" if config.tokenizer.path else "[model] hf_checkpoint",
+            where=tokenizer_key(config),
         )
     return directory
 
@@ -119,7 +124,7 @@ def load_tokenizer(config: Config) -> PromptTokenizer:
     from transformers.utils import logging as hf_logging
 
     directory = require_tokenizer_dir(config)
-    where = "[tokenizer] path" if config.tokenizer.path else "[model] hf_checkpoint"
+    where = tokenizer_key(config)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:

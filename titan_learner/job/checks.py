@@ -169,7 +169,12 @@ def _check_first_rows(config: Config, path: Path, keys: list[str]) -> None:
 def _check_tokenizer(
     config: Config, machine_check: Callable[[Callable[[], None]], None], model_vocab: int
 ) -> None:
-    from titan_learner.data.tokenizer import load_tokenizer, require_tokenizer_dir, tokenizer_dir
+    from titan_learner.data.tokenizer import (
+        load_tokenizer,
+        require_tokenizer_dir,
+        tokenizer_dir,
+        tokenizer_key,
+    )
 
     machine_check(lambda: require_tokenizer_dir(config))
     if not tokenizer_dir(config).is_dir():
@@ -180,5 +185,5 @@ def _check_tokenizer(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
             f"{model_vocab}; allowed: a model vocabulary of at least {tokenizer.vocab_size}",
             source=config.source,
-            where="[tokenizer] path" if config.tokenizer.path else "[model] hf_checkpoint",
+            where=tokenizer_key(config),
         )

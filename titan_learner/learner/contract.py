@@ -387,10 +387,10 @@ class Learner:
         """
         from titan_learner import checkpoint
 
-        buffers = {
+        buffers = {  # the config's values, kept only when they are to win over the checkpoint's
             name: tensor.detach().clone()
             for name, tensor in loss_own_state(self.loss_module, self.model).items()
-            if not isinstance(tensor, nn.Parameter)
+            if hyperparameters_from_config and not isinstance(tensor, nn.Parameter)
         }
         path = checkpoint.load(self, directory, **options)
         if hyperparameters_from_config:

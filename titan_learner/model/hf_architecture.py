@@ -71,7 +71,8 @@ def read_architecture(directory: str, source: str) -> HFArchitecture | None:
     if missing:
         raise ConfigError(f"{path} lacks {', '.join(missing)}", source=source, where=where)
     scaling = data.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
+    scaling_type = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if scaling_type not in (None, "llama3", "default"):
         raise ConfigError(
             f"{path}: RoPE scaling {scaling.get('rope_type')!r} is not supported; allowed: "
             "llama3 or none",
@@ -80,12 +81,10 @@ def read_architecture(directory: str, source: str) -> HFArchitecture | None:
         )
     return HFArchitecture(
         name=MODEL_TYPES[model_type],
-        overrides=ModelOverrides(**{k: v for k, v in values.items()}),
+        overrides=ModelOverrides(**values),
         norm_eps=float(data.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-        rope_scaling=scaling
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3"
-        else None,
+        rope_scaling=scaling if scaling_type == "llama3" else None,
     )
 
 
