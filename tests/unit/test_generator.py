@@ -1,9 +1,7 @@
-"""The embedded generator on a tiny LlamaForCausalLM, the Rollout -> batch conversion, and the
-vLLM generator (skipped without CUDA and vllm)."""
+"""The embedded generator on a tiny LlamaForCausalLM and the Rollout -> batch conversion (the
+vLLM generator against a real engine: tests/integration/test_vllm_engine.py)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from titan_learner.learner.batch import (
 from titan_learner.learner.policy import left_justify_order
 from titan_learner.rollout.base import GROUP_ID_KEY, REWARD_KEY, Generator, rollout_from_lists
 from titan_learner.rollout.hf import HFGenerator
-from titan_learner.rollout.vllm import VLLMGenerator
 from titan_learner.weights.matching import WeightsError
 
 G = 4
@@ -260,42 +257,6 @@ def test_unsupported_model_type():
 
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'; supported: llama, qwen3"):
         HFGenerator(GPT2Config(), eos_id=0, pad_id=0)
-
-
-NO_VLLM = "vLLM generator needs CUDA and the vllm package" + (
-    "" if torch.cuda.is_available() else " (no CUDA here)"
-)
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None, reason=NO_VLLM
-)
-def test_vllm_generator_matches_the_embedded_one(tmp_path):
-    reference = new_generator(init_seed=1)
-    reference.model.save_pretrained(tmp_path)
-    engine = VLLMGenerator(
-        str(tmp_path),
-        eos_id=EOS_ID,
-        pad_id=PAD_ID,
-        dtype=torch.float32,
-        gpu_memory_utilization=0.2,
-        enforce_eager=True,
-    )
-    # new weights reach the engine: its log-probs then match the reference model's forward
-    engine.load_weights(new_generator(init_seed=3).model.state_dict().items(), version=3)
-    reference.load_weights(new_generator(init_seed=3).model.state_dict().items(), version=3)
-    a = engine.generate(prompts(8), G, MAX_NEW, 1.0, torch.Generator().manual_seed(0))
-    b = engine.generate(prompts(8), G, MAX_NEW, 1.0, torch.Generator().manual_seed(0))
-    assert torch.equal(a.completion_tokens, b.completion_tokens) and a.weights_version == 3
-    batch = as_batch(a)
-    check_batch(batch, vocab_size=14, needs_ref_log_probs=False)
-    expected = teacher_forced_log_probs(reference.model, batch)
-    response = batch[ASSISTANT_MASK_KEY]
-    torch.testing.assert_close(
-        batch[LOG_PROBS_KEY][response], expected[response], atol=1e-3, rtol=0
-    )
-    with pytest.raises(WeightsError, match="missing parameters"):
-        engine.load_weights([], version=4)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])

@@ -1,22 +1,19 @@
-"""The vLLM sinks (titan_learner.weights.vllm).
+"""The vLLM sinks (titan_learner.weights.vllm), without an engine.
 
-On CPU: argument checks, the engine metadata, dtype casting, manifest verification, and the flat
+Argument checks, the engine metadata, dtype casting, manifest verification, and the flat
 mapping handed to a real TorchRL sender (`VLLMDoubleBufferWeightSender`, the same
 `update_weights(weights)` contract as the NCCL `VLLMWeightSender`, writing to a directory this
-test reads back with TorchRL's own transport), plus the failure path of a real, un-joined NCCL
-`VLLMWeightSender`. The worker extension's stage / verify / swap runs on CPU workers whose
-"model" loads HF-named tensors into a transformers model (what vLLM's `model.load_weights`
-does, without fusing or TP slicing), reached through an in-process stand-in for vLLM's
-`collective_rpc` dispatch (an RPC by method name; no collective is involved).
+test reads back with TorchRL's own transport); a real TorchRL sender failing midway; TorchRL's
+NCCL sender refused at once against vLLM 0.32. The worker extension's stage / verify / swap
+runs on several CPU workers (tensor-parallel ranks) whose "model" loads HF-named tensors into a
+transformers model, reached through an in-process stand-in for vLLM's `collective_rpc`.
 
-With CUDA and vllm: end to end into a real `vllm.LLM` (VLLMRPCSink), and, with ray and two GPUs,
-into a TorchRL `AsyncVLLM` over NCCL (VLLMSink); skipped otherwise, with the reason.
+Against a real vLLM engine (one worker): tests/integration/test_vllm_engine.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import socket
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -29,15 +26,16 @@ from tests.support.models import VOCAB, batches, tiny_config
 from titan_learner.learner.local import LocalLearner
 from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
 from titan_learner.weights.matching import WeightsError
-from titan_learner.weights.sinks import SafetensorsDirSink, push_weights
+from titan_learner.weights.rpc_transport import pack_tensors
+from titan_learner.weights.sinks import push_weights
 from titan_learner.weights.vllm import (
-    WORKER_EXTENSION,
     VLLMRPCSink,
     VLLMSink,
     VLLMSinkWorkerExtension,
     check_engine_dtype,
     engine_metadata,
     engine_weights,
+    torchrl_nccl_problem,
 )
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -236,20 +234,32 @@ def test_a_tied_alias_must_agree_with_its_parameter():
         engine_weights(named.items(), metadata)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_torchrl_nccl_weight_sync_is_refused_at_once_with_this_vllm(trained):
+    """TorchRL 0.14.1's NCCL sender calls vLLM APIs that vLLM 0.32 no longer has: it would wait
+    out a 300 s store timeout. Both ways to make that sink refuse at once, in one line."""
+    problem = torchrl_nccl_problem()
+    assert problem is not None
+    metadata = engine_metadata(hf_config(trained.spec), BF16)
+    with pytest.raises(WeightsError) as info:
+        VLLMSink(VLLMWeightSyncScheme(strategy="state_dict").create_sender(), metadata)
+    assert str(info.value) == problem and "\n" not in problem
+    with pytest.raises(WeightsError) as info:
+        VLLMSink.for_async_vllm(object(), hf_config(trained.spec), BF16)
+    assert str(info.value) == problem
 
 
-def test_a_failing_torchrl_sender_marks_the_engine_inconsistent(trained):
-    """TorchRL's real NCCL sender, never joined to an engine: its update_weights raises. The sink
-    cannot tell how far a broadcast got, so it reports the engine's weights as unknown."""
-    scheme = VLLMWeightSyncScheme(master_port=_free_port(), strategy="state_dict")
-    sink = VLLMSink(scheme.create_sender(), engine_metadata(hf_config(trained.spec), BF16))
-    with pytest.raises(WeightsError, match="may hold a mix of vNone and v1") as info:
+def test_a_failing_torchrl_sender_marks_the_engine_inconsistent(trained, tmp_path):
+    """A real TorchRL sender whose transport fails midway (its directory cannot be created): the
+    sink cannot tell how far the update got, so it reports the engine's weights as unknown."""
+    (tmp_path / "file").write_text("not a directory")
+    scheme = VLLMDoubleBufferSyncScheme(
+        remote_addr=str(tmp_path / "file" / "weights"), strategy="state_dict"
+    )
+    sender = scheme.create_sender()
+    sender.register_model(torch.nn.Module())
+    sink = VLLMSink(sender, engine_metadata(hf_config(trained.spec), BF16))
+    with pytest.raises(WeightsError, match="may hold a mix of vNone and v1"):
         push_weights(trained, sink, bucket_bytes=BUCKET, dtype=BF16)
-    assert "Transport not initialized" in str(info.value)
     assert sink.version is None and not sink.consistent
 
 
@@ -275,17 +285,24 @@ class HFLoader:
 
 
 class CPUWorker(VLLMSinkWorkerExtension):
-    """What vLLM mixes the extension into: a worker with `device` and `model_runner.model`."""
+    """What vLLM mixes the extension into: a worker with `device` and `reload_weights` (vLLM's
+    in-place reload of checkpoint-format weights, here without fusing or TP slicing)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.device = torch.device("cpu")
         self.model_runner = SimpleNamespace(model=HFLoader(model))
 
+    def reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
+        assert is_checkpoint_format
+        self.model_runner.model.load_weights(weights_iterator)
+
 
 class InProcessRPC:
     """vLLM's `LLM.collective_rpc` dispatch, in this process: call `method` by name on every
-    worker and return their results. Each worker gets its own copy of the tensors (vLLM
-    serializes them); `tamper` may alter one worker's copy in transit."""
+    worker and return their results. Each worker gets its own copy of the arguments (vLLM
+    serializes them; pickle stands in); `tamper` may alter one worker's copy in transit. The
+    real engine's boundary is exercised in tests/integration/test_vllm_engine.py; this one has
+    several (tensor-parallel) workers, which one CPU engine here cannot have."""
 
     def __init__(self, workers, tamper=None) -> None:
         self.workers = workers
@@ -295,9 +312,7 @@ class InProcessRPC:
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         results = []
         for rank, worker in enumerate(self.workers):
-            copied = tuple(
-                [(n, t.clone()) for n, t in a] if isinstance(a, list) else a for a in args
-            )
+            copied = pickle.loads(pickle.dumps(args))
             if self.tamper is not None:
                 copied = self.tamper(rank, method, copied)
             results.append(getattr(worker, method)(*copied))
@@ -325,14 +340,17 @@ def test_rpc_sink_loads_verified_weights_on_every_worker(trained):
 
 
 def test_rpc_sink_swaps_nothing_when_one_worker_received_bad_bytes(trained):
-    def flip_one_value_for_rank_1(rank, method, args):
+    def flip_one_bit_for_rank_1(rank, method, args):
         if rank == 1 and method == "titan_stage":
-            _version, bucket = args
-            bucket[0][1].view(-1)[0] += 1.0
+            version, packed = args
+            name, dtype, shape, raw = packed[0]
+            flipped = bytearray(raw)
+            flipped[0] ^= 1
+            return version, [(name, dtype, shape, bytes(flipped)), *packed[1:]]
         return args
 
     models = [hf_model(trained, seed=1), hf_model(trained, seed=2)]
-    engine = InProcessRPC([CPUWorker(m) for m in models], tamper=flip_one_value_for_rank_1)
+    engine = InProcessRPC([CPUWorker(m) for m in models], tamper=flip_one_bit_for_rank_1)
     before = [state(m) for m in models]
     sink = VLLMRPCSink(engine)
     with pytest.raises(
@@ -352,9 +370,9 @@ def test_worker_extension_refuses_to_swap_an_unverified_export(trained):
     worker = CPUWorker(hf_model(trained))
     named = list(trained.get_weights(dtype=F32).items())
     with pytest.raises(RuntimeError, match=r"titan_stage\(v2\) without titan_begin\(v2\)"):
-        worker.titan_stage(2, named)
+        worker.titan_stage(2, pack_tensors(named))
     worker.titan_begin(2)
-    worker.titan_stage(2, named)
+    worker.titan_stage(2, pack_tensors(named))
     with pytest.raises(RuntimeError, match="was not verified here"):
         worker.titan_swap(2)
     export = trained.iter_weights(dtype=F32)
@@ -376,125 +394,3 @@ def test_rpc_sink_abort_drops_the_staged_export(trained):
     assert engine.workers[0]._titan_staged is None
     with pytest.raises(WeightsError, match=r"write\(\) before begin\(\)"):
         sink.write([])
-
-
-# ---------------------------------------------------------------------------------------------
-# End to end on a GPU
-
-
-HAS_VLLM = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
-NO_VLLM = "needs CUDA and the vllm package" + (
-    "" if torch.cuda.is_available() else " (no CUDA here)"
-)
-HAS_NCCL_SETUP = (
-    HAS_VLLM and importlib.util.find_spec("ray") is not None and torch.cuda.device_count() >= 2
-)
-NO_NCCL_SETUP = (
-    "needs CUDA, vllm >= 0.17, ray and 2 GPUs (the trainer's NCCL rank and the engine's "
-    "worker must sit on different GPUs)"
-)
-
-
-def prompt_log_probs(outputs, x: torch.Tensor) -> torch.Tensor:
-    """`[B, T-1]`: the engine's log-prob of each prompt token after the first."""
-    return torch.tensor(
-        [
-            [out.prompt_logprobs[t][tok].logprob for t, tok in enumerate(row) if t > 0]
-            for out, row in zip(outputs, x.tolist(), strict=True)
-        ]
-    )
-
-
-def reference_log_probs(learner, x: torch.Tensor) -> torch.Tensor:
-    log_probs = torch.log_softmax(learner_logits(learner, x)[:, :-1], dim=-1)
-    return log_probs.gather(-1, x[:, 1:, None])[..., 0]
-
-
-def prompt_params():
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-
-
-def prompts(x: torch.Tensor):
-    from vllm.inputs import TokensPrompt
-
-    return [TokensPrompt(prompt_token_ids=row) for row in x.tolist()]
-
-
-@pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)
-def test_rpc_sink_end_to_end_into_a_vllm_engine(tmp_path):
-    import vllm
-
-    learner = LocalLearner(tiny_config("llama3"))
-    config = hf_config(learner.spec)
-    push_weights(learner, SafetensorsDirSink(tmp_path / "policy", config), BUCKET, dtype=F32)
-    llm = vllm.LLM(
-        model=str(tmp_path / "policy"),
-        dtype=torch.float32,
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
-        skip_tokenizer_init=True,
-        seed=0,
-        logprobs_mode="raw_logprobs",
-        worker_extension_cls=WORKER_EXTENSION,
-    )
-    x = tokens()
-
-    def served() -> torch.Tensor:
-        return prompt_log_probs(llm.generate(prompts(x), prompt_params(), use_tqdm=False), x)
-
-    torch.testing.assert_close(served(), reference_log_probs(learner, x), atol=1e-3, rtol=0)
-
-    learner.update(batches(1)[0])
-    sink = VLLMRPCSink(llm)
-    manifest = push_weights(learner, sink, bucket_bytes=BUCKET, dtype=F32)
-    assert sink.version == manifest.version == 1
-    assert set(llm.collective_rpc("titan_version")) == {1}
-    after = served()
-    torch.testing.assert_close(after, reference_log_probs(learner, x), atol=1e-3, rtol=0)
-
-    class Corrupting(VLLMRPCSink):
-        def write(self, bucket):
-            super().write([(n, t + 1e-3) for n, t in bucket])
-
-    learner.update(batches(2)[1])
-    with pytest.raises(WeightsError, match=r"rejected export v2 .*checksum mismatch"):
-        push_weights(learner, Corrupting(llm), bucket_bytes=BUCKET, dtype=F32)
-    assert set(llm.collective_rpc("titan_version")) == {1}
-    torch.testing.assert_close(served(), after, atol=1e-6, rtol=0)  # still v1
-
-
-@pytest.mark.skipif(not HAS_NCCL_SETUP, reason=NO_NCCL_SETUP)
-def test_vllm_sink_end_to_end_through_torchrl_nccl(tmp_path):
-    import ray
-    from torchrl.modules.llm import AsyncVLLM
-
-    trainer_gpu = torch.cuda.device_count() - 1
-    if not ray.is_initialized():
-        ray.init(num_gpus=trainer_gpu)  # Ray places the engine on GPUs 0.. trainer_gpu - 1
-    learner = LocalLearner(tiny_config("llama3"))
-    config = hf_config(learner.spec)
-    push_weights(learner, SafetensorsDirSink(tmp_path / "policy", config), BUCKET, dtype=F32)
-    engine = AsyncVLLM.from_pretrained(
-        str(tmp_path / "policy"),
-        num_devices=1,
-        compile=False,
-        verbose=False,
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
-        skip_tokenizer_init=True,
-    )
-    try:
-        sink = VLLMSink.for_async_vllm(engine, config, torch.float32, device=trainer_gpu)
-        learner.update(batches(1)[0])
-        manifest = push_weights(learner, sink, bucket_bytes=BUCKET, dtype=F32)
-        assert sink.version == manifest.version == 1 and sink.consistent
-        x = tokens()
-        outputs = engine.generate(prompts(x), prompt_params())
-        torch.testing.assert_close(
-            prompt_log_probs(outputs, x), reference_log_probs(learner, x), atol=1e-3, rtol=0
-        )
-    finally:
-        engine.shutdown()

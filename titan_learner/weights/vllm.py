@@ -4,7 +4,9 @@ Two sinks with the `WeightSink` interface (begin -> write(bucket)... -> commit(m
 for the two ways weights can enter a running engine:
 
 `VLLMSink`: TorchRL's `VLLMWeightSender` (torchrl.weight_update.llm.VLLMWeightSyncScheme with
-    strategy "state_dict"), which drives vLLM's native NCCL weight-transfer API (vLLM >= 0.17,
+    strategy "state_dict"; refused at construction while the installed vLLM lacks the API
+    TorchRL 0.14.1 calls, as vLLM 0.32 does: `torchrl_nccl_problem`), or any TorchRL sender with
+    `update_weights`. TorchRL's sender drives vLLM's native NCCL weight-transfer API (vLLM >= 0.17,
     `WeightTransferConfig(backend="nccl")`) on TorchRL `AsyncVLLM` engines: N replicas x TP GPUs,
     Ray actors. TorchRL ships both sides: the trainer side (`VLLMCollectiveTransport`: puts the
     engines to sleep, broadcasts every tensor over NCCL, resets prefix caches, wakes them) and the
@@ -19,8 +21,8 @@ for the two ways weights can enter a running engine:
     worker as they are exported (learner memory: one bucket); each worker verifies its staged
     copy against the manifest with `titan_learner.weights.sinks.verify` and only when every worker has
     verified does any worker swap. Every worker holds the whole export in host memory until
-    the swap, and every byte crosses vLLM's RPC serialization: sized for small and medium
-    models; large models use `VLLMSink`.
+    the swap, and every byte crosses vLLM's RPC serialization as bytes (`rpc_transport`): sized
+    for small and medium models. The swap is vLLM's in-place `reload_weights`.
 
 What is atomic, and what is not:
 
@@ -61,6 +63,7 @@ from titan_learner.model.hf_config import hf_parameter_shapes
 from titan_learner.rollout.vllm import VLLMWeightLoader
 from titan_learner.weights.export import TIED_HF_PAIR, Bucket, WeightsManifest
 from titan_learner.weights.matching import WeightsError, match_named_tensors
+from titan_learner.weights.rpc_transport import PackedTensor, pack_tensors, unpack_tensors
 from titan_learner.weights.sinks import StagingSink, verify
 
 log = logging.getLogger(__name__)
@@ -132,6 +135,31 @@ def engine_weights(
     }
 
 
+def torchrl_nccl_problem() -> str | None:
+    """Why TorchRL's NCCL weight sync cannot reach the installed vLLM, or None if it can.
+
+    TorchRL 0.14.1's `VLLMWeightSender` drives `NCCLWeightTransferEngine.trainer_init`,
+    `trainer_send_weights` and `NCCLTrainerSendWeightsArgs`; vLLM 0.32 moved the trainer side
+    to `NCCLTrainerWeightTransferEngine` with other arguments. Against such a vLLM the sender
+    would wait out its 300 s store timeout (a hang, then a traceback), so it is refused instead.
+    """
+    try:
+        import vllm
+        from vllm.distributed.weight_transfer import nccl_engine
+    except ImportError:
+        return "TorchRL's NCCL weight sync needs vllm, which is not installed"
+    engine = getattr(nccl_engine, "NCCLWeightTransferEngine", None)
+    if hasattr(engine, "trainer_init") and hasattr(nccl_engine, "NCCLTrainerSendWeightsArgs"):
+        return None
+    import torchrl
+
+    return (
+        f"TorchRL {torchrl.__version__}'s NCCL weight sync calls vLLM APIs that vllm "
+        f"{vllm.__version__} no longer has (NCCLWeightTransferEngine.trainer_init, "
+        "NCCLTrainerSendWeightsArgs); use VLLMRPCSink (collective_rpc) with this vLLM"
+    )
+
+
 class VLLMSink(StagingSink):
     """A `WeightSink` into vLLM engines through a TorchRL vLLM weight sender (see module doc).
 
@@ -153,6 +181,10 @@ class VLLMSink(StagingSink):
                 f"sender must be a TorchRL weight sender with update_weights(weights), "
                 f"got {type(sender).__name__}"
             )
+        from torchrl.weight_update.llm import VLLMWeightSender
+
+        if isinstance(sender, VLLMWeightSender) and (problem := torchrl_nccl_problem()):
+            raise WeightsError(problem)
         super().__init__()
         self.sender = sender
         self.metadata = check_metadata(metadata)
@@ -172,9 +204,13 @@ class VLLMSink(StagingSink):
         """Join a TorchRL `AsyncVLLM` engine's NCCL weight-transfer group (a collective with the
         engine's workers: this process is rank 0 on `cuda:device`) and return its sink.
 
-        Needs vllm >= 0.17, ray and a GPU for this process that no engine worker uses.
+        Needs ray, a GPU for this process that no engine worker uses, and a vLLM whose NCCL
+        API TorchRL's sender speaks (`torchrl_nccl_problem()`; refused at once otherwise).
         """
         from torchrl.weight_update.llm import VLLMWeightSyncScheme
+
+        if problem := torchrl_nccl_problem():
+            raise WeightsError(problem)
 
         metadata = engine_metadata(config, dtype)
         args = engine.engine_args
@@ -255,10 +291,11 @@ class VLLMSinkWorkerExtension(VLLMWeightLoader):
         self._titan_staging_version = int(version)
         self._titan_verified_version = None
 
-    def titan_stage(self, version: int, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    def titan_stage(self, version: int, packed: list[PackedTensor]) -> int:
+        """Hold one bucket (`pack_tensors` output) of export `version` until verify and swap."""
         if self._titan_staged is None or self._titan_staging_version != int(version):
             raise RuntimeError(f"titan_stage(v{version}) without titan_begin(v{version})")
-        self._titan_staged.extend((str(name), tensor) for name, tensor in bucket)
+        self._titan_staged.extend(unpack_tensors(packed))
         return len(self._titan_staged)
 
     def titan_verify(self, manifest: Mapping[str, Any]) -> str | None:
@@ -282,14 +319,9 @@ class VLLMSinkWorkerExtension(VLLMWeightLoader):
             raise RuntimeError(f"titan_swap(v{version}): that export was not verified here")
         staged, self._titan_staged = self._titan_staged, None
         self._titan_verified_version = None
-        device = self.device  # type: ignore[attr-defined]  # the vLLM worker's
-        self.model_runner.model.load_weights(  # type: ignore[attr-defined]
-            weights=((name, tensor.to(device, non_blocking=True)) for name, tensor in staged)
-        )
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
+        loaded = self._load_into_model(staged)
         self.titan_weights_version = int(version)
-        return len(staged)
+        return loaded
 
     def titan_drop(self) -> None:
         self._titan_staged = None
@@ -330,8 +362,7 @@ class VLLMRPCSink:
     def write(self, bucket: Bucket) -> None:
         if self._pending_version is None:
             raise WeightsError("write() before begin()")
-        payload = [(name, tensor.detach().cpu().contiguous()) for name, tensor in bucket]
-        self._rpc("titan_stage", self._pending_version, payload)
+        self._rpc("titan_stage", self._pending_version, pack_tensors(bucket))
 
     def abort(self) -> None:
         self._pending_version = None

