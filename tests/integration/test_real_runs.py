@@ -11,30 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.hf_dirs import make_model_dir, write_gsm8k_jsonl, write_parquet
+from tests.support.hf_dirs import (
+    USER_REWARD,
+    job_config,
+    make_model_dir,
+    write_gsm8k_jsonl,
+    write_parquet,
+)
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.grpo import run
 from titan_learner.rewards.runner import RewardError
-
-USER_REWARD = "def score(prompt, completion, row):\n    return min(len(completion), 20) / 20\n"
-
-
-def job_config(root: Path, model: dict, data: dict, steps: int = 2, **sections) -> dict:
-    tables = {
-        "model": model,
-        "data": {"prompt_key": "question", "system_prompt": "Answer briefly.", **data},
-        "reward": [
-            {"function": "math"},
-            {"function": "user_reward.py:score", "name": "length", "weight": 0.1},
-        ],
-        "rollout": {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 6},
-        "eval": {"samples_per_prompt": 2, "max_prompts": 4},
-        "optimizer": {"lr": 1e-3},
-        "run": {"steps": steps, "output_dir": str(root / "out"), "log_samples_every": 1},
-        **sections,
-    }
-    return tables
 
 
 def real_runs(rank: int, root: str) -> dict:

@@ -59,8 +59,11 @@ def eos_ids(tokenizer) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
 
 
-def make_model_dir(directory: Path, name: str = "llama3", chat_template: bool = True) -> dict:
-    """Tokenizer + tiny random model in `directory`; returns the [model] table that loads it."""
+def make_model_dir(
+    directory: Path, name: str = "llama3", chat_template: bool = True, shape: dict | None = None
+) -> dict:
+    """Tokenizer + tiny random model in `directory` (`shape`: [model.overrides] other than TINY);
+    returns the [model] table that loads it."""
     from transformers import AutoModelForCausalLM
 
     from titan_learner.config.toml import config_from_dict
@@ -71,8 +74,8 @@ def make_model_dir(directory: Path, name: str = "llama3", chat_template: bool = 
     tokenizer = make_tokenizer(directory, chat_template)
     overrides = {
         "vocab_size": len(tokenizer),
-        **TINY,
-        **({"head_dim": 16} if name == "qwen3" else {}),
+        **(shape or TINY),
+        **({"head_dim": 16} if name == "qwen3" and shape is None else {}),
     }
     model_table = {"name": name, "overrides": overrides, "hf_checkpoint": str(directory)}
     config = config_from_dict(
@@ -84,6 +87,28 @@ def make_model_dir(directory: Path, name: str = "llama3", chat_template: bool = 
         json.dumps({"eos_token_id": eos_ids(tokenizer)})
     )
     return model_table
+
+
+USER_REWARD = "def score(prompt, completion, row):\n    return min(len(completion), 20) / 20\n"
+
+
+def job_config(root: Path, model: dict, data: dict, steps: int = 2, **sections) -> dict:
+    """A GRPO job's tables on those files: the math reward plus `user_reward.py:score` (write
+    USER_REWARD beside the config), evaluation, tiny groups; `sections` replace whole tables."""
+    tables = {
+        "model": model,
+        "data": {"prompt_key": "question", "system_prompt": "Answer briefly.", **data},
+        "reward": [
+            {"function": "math"},
+            {"function": "user_reward.py:score", "name": "length", "weight": 0.1},
+        ],
+        "rollout": {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 6},
+        "eval": {"samples_per_prompt": 2, "max_prompts": 4},
+        "optimizer": {"lr": 1e-3},
+        "run": {"steps": steps, "output_dir": str(root / "out"), "log_samples_every": 1},
+        **sections,
+    }
+    return tables
 
 
 def write_gsm8k_jsonl(path: Path, rows: list[tuple[str, str]] = QUESTIONS) -> Path:

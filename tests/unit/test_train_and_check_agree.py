@@ -34,6 +34,25 @@ BAD = {
         ["rollout.prompts_per_step=3", "parallelism.dp_shard=2", "--world-size=2"],
         "[rollout] prompts_per_step: 3 prompts do not split over 2 data-parallel ranks",
     ),
+    "vllm without an engine model": (
+        ['rollout.generator="vllm"'],
+        "[rollout] model_path: the vllm generator needs an HF directory (config.json + "
+        "safetensors) to start its engines from; allowed: [rollout] model_path or [model] "
+        "hf_checkpoint",
+    ),
+    "vllm greedy groups": (
+        ['rollout.generator="vllm"', 'rollout.model_path="engine"', "rollout.temperature=0.0"],
+        "[rollout] temperature: temperature 0 is greedy decoding, which vLLM allows only for one "
+        "completion per prompt, got 16",
+    ),
+    "vllm hot eval": (
+        ['rollout.generator="vllm"', 'rollout.model_path="engine"', "eval.temperature=3.0"],
+        "[eval] temperature: temperature 3.0 is above vLLM's limit; allowed: 0 < temperature <= 2",
+    ),
+    "vllm seed twice": (
+        ['rollout.generator="vllm"', 'rollout.model_path="engine"', "rollout.vllm.seed=3"],
+        "[rollout.vllm] seed: seed is set by [run] seed, not here",
+    ),
     "compile, tp and ac": (
         ["compile.enable=true", "parallelism.tp=2", "activation_checkpoint.mode=full"],
         "[compile] enable: compile with tensor parallel and activation checkpointing together",

@@ -123,7 +123,14 @@ class RolloutSection:
     max_new_tokens: int = field(default=8, metadata=POSITIVE)
     temperature: float = field(default=1.0, metadata={"min": 0.0})
     model_path: str | None = None
-    """vllm only: the HF directory the engines start from."""
+    """vllm only: the HF directory (config.json + safetensors) the engines start from; default:
+    [model] hf_checkpoint. Its parameter shapes must be the learner's; the learner's weights
+    replace its own before the first rollout."""
+    vllm: dict[str, Any] = field(default_factory=dict)
+    """vllm only: keyword arguments of `vllm.LLM` ([rollout.vllm] gpu_memory_utilization,
+    enforce_eager, max_model_len, ...). Defaults: dtype = [learner] export_dtype, seed = [run]
+    seed, max_model_len = [data] max_prompt_tokens + the longest max_new_tokens,
+    gpu_memory_utilization 0.5 on a GPU."""
 
 
 @dataclass

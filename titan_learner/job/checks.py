@@ -16,6 +16,7 @@ from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.data.errors import DataError
 from titan_learner.data.files import read_rows, resolve
+from titan_learner.job.vllm_checks import check_vllm_machine, check_vllm_structure
 from titan_learner.rewards.builtins import BUILTINS
 from titan_learner.rewards.loading import RewardLoadError, load_function
 from titan_learner.rewards.runner import reward_name
@@ -84,12 +85,8 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
             source=source,
             where="[learner] grad_accum_steps",
         )
-    if config.rollout.generator == "vllm" and not config.rollout.model_path:
-        raise ConfigError(
-            "the vllm generator needs model_path (an HF directory the engines start from)",
-            source=source,
-            where="[rollout] model_path",
-        )
+    if config.rollout.generator == "vllm":
+        check_vllm_structure(config)
 
 
 def check_sequence_length(config: Config, max_seq_len: int) -> None:
@@ -137,6 +134,8 @@ def check_job_inputs(
             if path.is_file():
                 _check_first_rows(config, path, [key, data.answer_key])
     _check_tokenizer(config, machine_check, model_vocab)
+    if config.rollout.generator == "vllm":
+        check_vllm_machine(config, machine_check)
     for index, section in enumerate(config.reward):
         if section.function in BUILTINS:
             continue

@@ -72,13 +72,26 @@ def sampling_rng(
 
 
 def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
+    from titan_learner.dtypes import DTYPES
+    from titan_learner.job.vllm_checks import engine_model_path
     from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.hf import HFGenerator
     from titan_learner.rollout.vllm import VLLMGenerator
 
     ids = {"eos_id": tokenizer.eos_ids, "pad_id": tokenizer.pad_id}
     if config.rollout.generator == "vllm":
-        return VLLMGenerator(config.rollout.model_path, **ids)
+        longest = config.data.max_prompt_tokens + max(
+            config.rollout.max_new_tokens, config.eval.max_new_tokens
+        )
+        engine = {"max_model_len": longest}  # the KV cache is sized for what the job asks
+        return VLLMGenerator(
+            engine_model_path(config),
+            dtype=DTYPES[config.learner.export_dtype],
+            seed=config.run.seed,
+            device=learner.device,
+            **ids,
+            **(engine | config.rollout.vllm),
+        )
     return HFGenerator(hf_config(learner.spec), device=learner.device, **ids)
 
 
@@ -338,6 +351,9 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     except BaseException:
         close_quietly(telemetry)  # the plot must never hide the real error
         raise
+    finally:
+        if callable(getattr(generator, "close", None)):
+            generator.close()  # a vLLM engine's processes
     plot = telemetry.close()
     if plot is not None:
         say(f"curves: {plot}", flush=True)

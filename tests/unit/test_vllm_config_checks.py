@@ -1,0 +1,77 @@
+"""`[rollout] generator = "vllm"` checks that need this machine (vllm installed, the engine model
+directory): one ConfigError naming what is wrong, before anything is built; `check` for another
+machine reports them as warnings."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.support.hf_dirs import make_model_dir
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.toml import load_config
+from titan_learner.config.validate import validate
+
+TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed"
+)
+
+
+def toy_with_vllm(model_path: Path, *extra: str):
+    overrides = ['rollout.generator="vllm"', f'rollout.model_path="{model_path}"', *extra]
+    return load_config(str(TOY), overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def same_shape(tmp_path_factory) -> Path:
+    """An HF directory of exactly the toy model (what the engine would start from)."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_learner.model.hf_config import hf_config
+    from titan_learner.model.spec import model_spec
+
+    directory = tmp_path_factory.mktemp("toy_engine")
+    config = load_config(str(TOY))
+    model = AutoModelForCausalLM.from_config(hf_config(model_spec(config.model, "sdpa")))
+    model.save_pretrained(str(directory))
+    return directory
+
+
+@needs_vllm
+def test_an_engine_model_of_the_learners_shape_passes(same_shape):
+    validate(toy_with_vllm(same_shape), world_size=1)
+
+
+def test_an_engine_model_of_another_shape_is_one_line(tmp_path):
+    other = tmp_path / "other"
+    make_model_dir(other)
+    with pytest.raises(ConfigError) as info:
+        validate(toy_with_vllm(other), world_size=1)
+    message = str(info.value)
+    assert message.startswith(f"{TOY}: [rollout] model_path: the engine model in {other} ")
+    assert "cannot take the learner's weights: lm_head.weight is (" in message
+    assert "there and (14, 64) in the learner" in message and "\n" not in message
+
+
+def test_a_missing_engine_model_is_an_error_here_and_a_warning_elsewhere(tmp_path):
+    config = toy_with_vllm(tmp_path / "absent")
+    with pytest.raises(ConfigError, match=r"\[rollout\] model_path: directory .*absent' not found"):
+        validate(config, world_size=1)
+    warnings = validate(config, world_size=1, on_this_machine=False).warnings
+    assert any("[rollout] model_path" in w and "not found" in w for w in warnings), warnings
+
+
+@needs_vllm
+def test_an_unknown_engine_argument_is_named(same_shape):
+    import vllm
+
+    with pytest.raises(ConfigError) as info:
+        validate(toy_with_vllm(same_shape, "rollout.vllm.gpu_mem=0.3"), world_size=1)
+    assert str(info.value) == (
+        f"{TOY}: [rollout.vllm] gpu_mem: vllm {vllm.__version__} has no engine argument "
+        "'gpu_mem' (see vllm.EngineArgs)"
+    )
+    validate(toy_with_vllm(same_shape, "rollout.vllm.enforce_eager=true"), world_size=1)

