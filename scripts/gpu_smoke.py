@@ -1,0 +1,205 @@
+"""The Python checks of scripts/gpu_smoke.sh, one per subcommand, each printing one JSON line of
+numbers and exiting non-zero when the check fails (never "skipped" with exit 0).
+
+    python scripts/gpu_smoke.py env                 # CUDA and every import the smoke needs
+    python scripts/gpu_smoke.py parity [--device D] # 3 GRPO updates on D against the CPU reference
+    python scripts/gpu_smoke.py chunked [--device D] # chunked log-probs against dense, on D
+    python scripts/gpu_smoke.py job DIR [--device D] [--steps N] # the toy job, metrics checked
+
+--device cpu rehearses parity and chunked on a machine without a GPU (the numbers then say
+nothing about CUDA); the smoke itself always passes cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+IMPORTS = ("torch", "tensordict", "torchrl", "torchtitan", "torchdata", "transformers", "xxhash")
+TOLERANCE = 1e-4  # fp32 with TF32 off: CUDA and CPU kernels sum in other orders
+
+
+def report(check: str, ok: bool, **numbers) -> int:
+    print(json.dumps({"check": check, "ok": ok, **numbers}), flush=True)
+    return 0 if ok else 1
+
+
+def env() -> int:
+    import importlib
+    from importlib.metadata import version
+
+    versions, missing = {}, []
+    for name in IMPORTS:
+        try:
+            importlib.import_module(name)
+            versions[name] = version(name)
+        except Exception as err:  # an import that fails for any reason fails the smoke
+            missing.append(f"{name}: {type(err).__name__}: {err}")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name(0) if cuda else None
+    try:
+        import vllm
+
+        versions["vllm"] = vllm.__version__
+    except ImportError:
+        versions["vllm"] = "not installed: the vLLM GPU checks (NCCL, engine placement) do not run"
+    return report(
+        "env",
+        cuda and not missing,
+        error=None if cuda else "no CUDA device",
+        python=sys.version.split()[0],
+        gpu=gpu,
+        missing=missing,
+        **versions,
+    )
+
+
+def tiny_config(device: str, **learner):
+    from titan_learner.config.toml import config_from_dict
+
+    overrides = {
+        "vocab_size": 512,
+        "dim": 128,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "hidden_dim": 256,
+        "max_seq_len": 64,
+    }
+    return config_from_dict(
+        {
+            "model": {"name": "llama3", "overrides": overrides},
+            "optimizer": {"lr": 1e-3},
+            "learner": {"device": device, **learner},
+            "run": {"seed": 0},
+        },
+        source="gpu_smoke",
+    )
+
+
+def batches(steps: int):
+    import torch
+
+    from titan_learner.learner.batch import synthetic_batch
+
+    generator = torch.Generator().manual_seed(0)
+    return [synthetic_batch(8, 48, 512, generator, varied=True) for _ in range(steps)]
+
+
+def trained(device: str, steps: int = 3, **learner):
+    import torch
+
+    from titan_learner.learner.local import LocalLearner
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = LocalLearner(tiny_config(device, **learner))
+    losses = []
+    for batch in batches(steps):
+        metrics = model.update(batch.to(model.device))
+        losses.append(float(metrics["loss_objective"]))
+    return model, losses
+
+
+def max_weight_difference(a, b) -> float:
+    import torch
+
+    wa, wb = a.get_weights(dtype=torch.float32), b.get_weights(dtype=torch.float32)
+    return max(float((wa[k].cpu() - wb[k].cpu()).abs().max()) for k in wa.keys())
+
+
+def parity(device: str) -> int:
+    start = time.perf_counter()
+    reference, reference_losses = trained("cpu")
+    candidate, losses = trained(device)
+    loss_difference = max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True))
+    weight_difference = max_weight_difference(candidate, reference)
+    ok = loss_difference <= TOLERANCE and weight_difference <= TOLERANCE
+    return report(
+        "parity",
+        ok,
+        device=device,
+        max_loss_diff=loss_difference,
+        max_weight_diff=weight_difference,
+        tolerance=TOLERANCE,
+        seconds=round(time.perf_counter() - start, 1),
+    )
+
+
+def chunked(device: str) -> int:
+    start = time.perf_counter()
+    dense, dense_losses = trained(device, steps=2)
+    chunks, chunk_losses = trained(device, steps=2, logprob_chunk_size=16)
+    loss_difference = max(abs(a - b) for a, b in zip(chunk_losses, dense_losses, strict=True))
+    weight_difference = max_weight_difference(chunks, dense)
+    ok = loss_difference <= TOLERANCE and weight_difference <= TOLERANCE
+    return report(
+        "chunked",
+        ok,
+        device=device,
+        max_loss_diff=loss_difference,
+        max_weight_diff=weight_difference,
+        tolerance=TOLERANCE,
+        seconds=round(time.perf_counter() - start, 1),
+    )
+
+
+def job(directory: str, device: str, steps: int) -> int:
+    """The embedded default through the command line users run, then its metrics.jsonl."""
+    import math
+    from pathlib import Path
+
+    from titan_learner.cli import main as cli
+
+    start = time.perf_counter()
+    sets = {
+        "run.steps": steps,
+        "run.output_dir": f'"{directory}"',
+        "learner.device": f'"{device}"',
+        "eval.every_steps": 0,
+        "checkpoint.interval": steps,
+    }
+    argv = ["train", "--config", "configs/toy_grpo.toml", "--overwrite"]
+    code = cli(argv + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
+    path = Path(directory) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    train = [r for r in rows if "training/reward_mean" in r]
+    finite = all(math.isfinite(v) for r in train for v in r.values() if isinstance(v, (int, float)))
+    return report(
+        "job",
+        code == 0 and len(train) == steps and finite,
+        device=device,
+        exit_code=code,
+        steps=len(train),
+        finite=finite,
+        reward_first=train[0]["training/reward_mean"] if train else None,
+        reward_last=train[-1]["training/reward_mean"] if train else None,
+        update_s=train[-1].get("training/update_s") if train else None,
+        seconds=round(time.perf_counter() - start, 1),
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("check", choices=["env", "parity", "chunked", "job"])
+    parser.add_argument("directory", nargs="?", default="outputs/gpu_smoke/toy")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    if args.check == "env":
+        return env()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return report(args.check, False, error="no CUDA device")
+    if args.check == "job":
+        return job(args.directory, args.device, args.steps)
+    return parity(args.device) if args.check == "parity" else chunked(args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
