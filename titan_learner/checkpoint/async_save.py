@@ -77,15 +77,22 @@ def wait_for_pending_save() -> None:
         _PENDING.wait()
 
 
-def then_commit(upload: Future, commit: Callable[[], Path]) -> Future:
-    """A future that completes after `upload` and then `commit` (rank 0's async save)."""
+def then_commit(upload: Future, commit: Callable[[], Path], discard: Callable[[], None]) -> Future:
+    """A future that completes after `upload` and then `commit` (rank 0's async save). A failed
+    upload calls `discard` first (every rank's write has ended by then: DCP gathers their
+    results before the upload's future completes), so a full disk is freed at once."""
     done: Future = Future()
 
     def on_upload(future: Future) -> None:
         try:
             future.result()
-            done.set_result(commit())
         except BaseException as err:  # CheckpointException is a BaseException
+            discard()
+            done.set_exception(err)
+            return
+        try:
+            done.set_result(commit())
+        except BaseException as err:
             done.set_exception(err)
 
     upload.add_done_callback(on_upload)

@@ -233,13 +233,14 @@ def save(
     writer = FileSystemWriter(tmp_dir(root, step))
     no_dist = group is None
     commit_step = lambda: _commit_with_checksums(root, step, keep_latest_k)  # noqa: E731
+    discard_step = lambda: shutil.rmtree(tmp_dir(root, step), ignore_errors=True)  # noqa: E731
     if not asynchronous:
         try:
             with dcp_call(operation, no_dist):
                 dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
         except CheckpointError:
             if rank() == 0:  # a full disk: free what the failed write took; `latest` is intact
-                shutil.rmtree(tmp_dir(root, step), ignore_errors=True)
+                discard_step()
             raise
         on_rank0(group, operation, commit_step)
         return SaveHandle(step_dir(root, step), operation)
@@ -251,7 +252,7 @@ def save(
             async_stager=AlreadyStaged() if on_cpu(state) else None,
             no_dist=no_dist,
         )
-    future = then_commit(upload, commit_step) if rank() == 0 else upload
+    future = then_commit(upload, commit_step, discard_step) if rank() == 0 else upload
     handle = SaveHandle(step_dir(root, step), operation, group, future)
     async_save.set_pending(handle)
     return handle
