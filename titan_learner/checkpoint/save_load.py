@@ -45,6 +45,7 @@ from titan_learner.checkpoint.async_save import AlreadyStaged, SaveHandle, on_cp
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.integrity import write_checksums
 from titan_learner.checkpoint.layout import commit, prepare, step_dir, tmp_dir
+from titan_learner.checkpoint.packing import saved_unpacked, unpack_param_groups
 from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open_step, read_metadata
 from titan_learner.ranks import rank, world_size
 
@@ -150,6 +151,13 @@ def _template(learner: Checkpointable, metadata: Metadata) -> dict[str, Any]:
     otherwise ranks do not correspond and the state is left as it is (with a warning).
     """
     state = learner.checkpoint()
+    optimizer_keys = [
+        key.removeprefix("optimizer.")
+        for key in metadata.state_dict_metadata
+        if key.startswith("optimizer.")
+    ]
+    if isinstance(state.get("optimizer"), dict) and saved_unpacked(optimizer_keys):
+        state["optimizer"] = unpack_param_groups(state["optimizer"])  # saved before the packing
     saved_ranks = _saved_ranks(metadata)
     if len(saved_ranks) != world_size():
         if rank() == 0:

@@ -23,6 +23,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.trainers.trainers import OptimizationStepper
 
+from titan_learner.checkpoint.packing import pack_param_groups, unpack_param_groups
 from titan_learner.config.schema import Config
 from titan_learner.dtypes import DTYPES
 from titan_learner.learner.batch import check_batch
@@ -357,7 +358,7 @@ class Learner:
             for key, value in state.items():
                 if key.endswith(".step") and isinstance(value, torch.Tensor):
                     value.zero_()
-        return state
+        return pack_param_groups(state)  # one record instead of one per parameter and setting
 
     def save(self, directory: str, **options: Any) -> Any:
         """Write a DCP checkpoint to disk (a collective on every rank): see
@@ -424,7 +425,7 @@ class Learner:
         A mid-window state restarts its accumulation window (with a warning).
         """
         self.model.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(unpack_param_groups(state["optimizer"]))
         with warnings.catch_warnings():  # torch's scheduler calls get_lr() while loading
             warnings.filterwarnings("ignore", message="To get the last learning rate computed")
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

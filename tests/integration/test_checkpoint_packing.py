@@ -1,0 +1,63 @@
+"""The optimizer's per-parameter settings are one checkpoint record (checkpoint.packing), and a
+checkpoint written before that packing, one record per parameter and setting, still resumes
+exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.support.checkpoint_scenarios import snapshot, train
+from tests.support.models import batches, tiny_config
+from titan_learner.checkpoint.layout import latest
+from titan_learner.checkpoint.packing import pack_param_groups, unpack_param_groups
+from titan_learner.checkpoint.safe_read import read_metadata
+from titan_learner.checkpoint.save_load import load, save
+from titan_learner.learner import contract
+from titan_learner.learner.local import LocalLearner
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        if isinstance(want[key], torch.Tensor):
+            assert torch.equal(got[key], want[key]), key
+        else:
+            assert got[key] == want[key], key
+
+
+def test_pack_and_unpack_are_inverse_and_leave_tensors_alone():
+    learner = LocalLearner(tiny_config())
+    train(learner, batches(1))
+    flat = learner.optimizer.state_dict()
+    packed = pack_param_groups(flat)
+    assert not any(k.startswith("param_groups.") for k in packed)
+    assert all(isinstance(v, torch.Tensor) for k, v in packed.items() if k != "param_groups")
+    assert_same_state(unpack_param_groups(packed), flat)
+    assert_same_state(unpack_param_groups(flat), flat)  # never packed: unchanged
+
+
+def test_the_settings_are_one_record(tmp_path):
+    learner = LocalLearner(tiny_config())
+    train(learner, batches(1))
+    keys = read_metadata(save(learner, tmp_path).wait()).state_dict_metadata
+    settings = [k for k in keys if k.startswith("optimizer.param_groups")]
+    assert settings == ["optimizer.param_groups"]
+    per_parameter = len(learner.optimizer.state_dict()) - len(learner.checkpoint()["optimizer"])
+    assert per_parameter > 50, "what one record replaces"
+
+
+def test_a_checkpoint_saved_one_record_per_setting_resumes_exactly(tmp_path, monkeypatch):
+    data = batches(4)
+    learner = LocalLearner(tiny_config())
+    train(learner, data[:2])
+    with monkeypatch.context() as patch:  # the format of checkpoints saved before the packing
+        patch.setattr(contract, "pack_param_groups", lambda flat: flat)
+        save(learner, tmp_path).wait()
+    keys = read_metadata(latest(tmp_path)).state_dict_metadata
+    assert sum(k.startswith("optimizer.param_groups.") for k in keys) > 50
+    expected = train(learner, data[2:])
+    resumed = LocalLearner(tiny_config())
+    load(resumed, tmp_path)
+    assert train(resumed, data[2:]) == expected
+    for part in ("weights", "moments"):
+        assert_same_state(snapshot(resumed)[part], snapshot(learner)[part])
