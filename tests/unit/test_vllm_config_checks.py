@@ -4,20 +4,17 @@ machine reports them as warnings."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from tests.support.hf_dirs import make_model_dir
+from tests.support.vllm import needs_vllm
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.config.validate import validate
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm is not installed"
-)
 
 
 def toy_with_vllm(model_path: Path, *extra: str):

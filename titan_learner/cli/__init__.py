@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from titan_learner.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_learner.config.schema import Config
 
 USER_ERROR = 2
 INTERRUPTED = 130  # what a shell reports for Ctrl-C
@@ -30,6 +34,18 @@ def add_config_arguments(parser: argparse.ArgumentParser, default: str | None = 
         metavar="SECTION.KEY=VALUE",
         help="override one key (a TOML value; a bare word is a string); repeatable",
     )
+
+
+def config_from_arguments(args: argparse.Namespace) -> Config:
+    """The config `add_config_arguments` named; a bad one is one line on stderr and exit 2
+    (for the scripts under scripts/, which have no other way to report it)."""
+    from titan_learner.config.toml import load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

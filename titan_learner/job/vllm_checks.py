@@ -53,10 +53,10 @@ def check_vllm_structure(config: Config) -> None:
 
 
 def check_vllm_machine(config: Config, machine_check: Callable[[Callable[[], None]], None]) -> None:
-    """What needs this machine: vllm installed and knowing every [rollout.vllm] key, and an
-    engine model whose parameter shapes are the learner's."""
-    machine_check(lambda: _check_engine_arguments(config))
+    """What needs this machine: an engine model whose parameter shapes are the learner's, and
+    vllm installed and knowing every [rollout.vllm] key."""
     machine_check(lambda: _check_engine_model(config))
+    machine_check(lambda: _check_engine_arguments(config))
 
 
 def _check_engine_arguments(config: Config) -> None:
