@@ -89,10 +89,17 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
         check_vllm_structure(config)
 
 
+def longest_sequence(config: Config) -> int:
+    """The most positions a prompt and its completion take, in training or evaluation."""
+    return config.data.max_prompt_tokens + max(
+        config.rollout.max_new_tokens, config.eval.max_new_tokens
+    )
+
+
 def check_sequence_length(config: Config, max_seq_len: int) -> None:
     """A prompt and its completion must fit the positions the model covers (its RoPE tables)."""
     longest_new = max(config.rollout.max_new_tokens, config.eval.max_new_tokens)
-    needed = config.data.max_prompt_tokens + longest_new
+    needed = longest_sequence(config)
     if needed > max_seq_len:
         raise ConfigError(
             f"max_prompt_tokens + max_new_tokens = {config.data.max_prompt_tokens} + "

@@ -73,6 +73,7 @@ def sampling_rng(
 
 def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
     from titan_learner.dtypes import DTYPES
+    from titan_learner.job.checks import longest_sequence
     from titan_learner.job.vllm_checks import engine_model_path
     from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.hf import HFGenerator
@@ -80,10 +81,8 @@ def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
 
     ids = {"eos_id": tokenizer.eos_ids, "pad_id": tokenizer.pad_id}
     if config.rollout.generator == "vllm":
-        longest = config.data.max_prompt_tokens + max(
-            config.rollout.max_new_tokens, config.eval.max_new_tokens
-        )
-        engine = {"max_model_len": longest}  # the KV cache is sized for what the job asks
+        # the KV cache is sized for what the job asks, not for the model's longest context
+        engine = {"max_model_len": longest_sequence(config)}
         return VLLMGenerator(
             engine_model_path(config),
             dtype=DTYPES[config.learner.export_dtype],

