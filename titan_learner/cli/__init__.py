@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from titan_learner.config.errors import ConfigError
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from titan_learner.config.schema import Config
 
 USER_ERROR = 2
+RANK0_GRACE_S = 5.0
 INTERRUPTED = 130  # what a shell reports for Ctrl-C
 
 
@@ -124,9 +126,15 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _error(err: Exception) -> int:
-    """One line on stderr, from one process: under torchrun every rank fails alike."""
+    """One line on stderr, from one process: under torchrun every rank fails alike.
+
+    torchrun stops the other ranks as soon as one exits, so the other ranks give rank 0 a few
+    seconds to print its line first: otherwise a rank 0 a moment slower is stopped silently.
+    """
     if os.environ.get("RANK", "0") == "0":
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK0_GRACE_S)
     return USER_ERROR
 
 
