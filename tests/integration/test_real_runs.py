@@ -72,7 +72,12 @@ def test_a_hugging_face_directory_with_jsonl_math_reward_and_eval(runs):
     for metrics in history:
         assert {"reward/math_mean", "reward/length_mean", "reward_errors", "epoch"} <= set(metrics)
         assert 0 <= metrics["reward/math_mean"] <= 1 and metrics["reward_errors"] == 0
+        # The generator gets the bf16 export ([learner] export_dtype) of fp32 weights: the
+        # metric sees that rounding (an fp32 export gives < 1e-5: test_vllm_job, toy default).
+        assert 1e-5 < metrics["logprob_mismatch_max"] < 0.05
     out = root / "llama_run" / "out"
+    logged = [r for r in records(out / "metrics.jsonl") if "training/logprob_mismatch" in r]
+    assert len(logged) == 2 and all("training/logprob_mismatch_max" in r for r in logged)
     evals = [r for r in records(out / "metrics.jsonl") if "eval/pass@1" in r]
     assert [r["step"] for r in evals] == [0, 2]
     completions = records(out / "eval" / "step_2.jsonl")

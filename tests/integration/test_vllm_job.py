@@ -65,6 +65,7 @@ def test_the_job_trains_on_vllm_rollouts_of_its_current_weights(job):
         assert all(math.isfinite(v) for v in metrics.values()), metrics
         # the engine served the weights being trained: importance ratio 1, nothing clipped
         assert abs(metrics["kl_approx"]) < 1e-5 and metrics["clip_fraction"] == 0
+        assert metrics["logprob_mismatch_max"] < 1e-5  # vLLM vs the learner, fp32 on CPU
         assert metrics["weight_sync_s"] > 0
     lines = (root / "run/out/metrics.jsonl").read_text().splitlines()
     assert any("eval/pass@1" in json.loads(line) for line in lines)

@@ -30,6 +30,7 @@ CONSOLE_KEYS = (
     "loss_objective",
     "grad_norm",
     "kl_approx",
+    "logprob_mismatch_max",
     "tokens_per_s",
     "rollout_s",
     "update_s",

@@ -155,8 +155,13 @@ class Learner:
         so the stepper's drop-the-window decision must be the same everywhere.
         """
         module = self.loss_module if method is None else getattr(self.loss_module, method)
+        self.loss_module.logprob_mismatch = None  # set by this forward (losses.LogProbMismatch)
         out = module(batch)
         out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
+        if self.loss_module.logprob_mismatch is not None:
+            mean, largest = self.loss_module.logprob_mismatch
+            out.set("logprob_mismatch", mean)
+            out.set("logprob_mismatch_max", largest)
         loss_keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
         if not loss_keys:
             raise RuntimeError(
@@ -231,7 +236,9 @@ class Learner:
         window_over = stepped or self._window_position() == 0  # stepped, or dropped
         if window_over:
             self.step += 1
-        out = self._window.metrics(self._terms, counts, self.loss_module, self._reduce_sum)
+        out = self._window.metrics(
+            self._terms, counts, self.loss_module, self._reduce_sum, self._reduce_max
+        )
         if window_over:
             self._window = WindowMetrics()
         if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
@@ -276,6 +283,14 @@ class Learner:
             return dict(values)
         stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+        return dict(zip(values, stacked.tolist(), strict=True))
+
+    def _reduce_max(self, values: dict[str, float]) -> dict[str, float]:
+        """`values` maximized over data-parallel ranks (one all-reduce; a no-op on one rank)."""
+        if self.data_parallel_group is None:
+            return dict(values)
+        stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
         return dict(zip(values, stacked.tolist(), strict=True))
 
     def _window_position(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.validate import loss_class
 
@@ -43,10 +45,32 @@ class TokenMeanKL:
         return loss * scale, penalty * scale
 
 
+class LogProbMismatch:
+    """Measures |learner log-prob - batch log-prob| over the trained tokens at every forward.
+
+    The batch's log-probs are the generator's (the behaviour policy's). Until the step's
+    optimizer update the learner holds the very weights that sampled the batch, so in the
+    synchronous loop this is the trainer-vs-inference mismatch users ask about: ~1e-7 with the
+    embedded generator in fp32, whatever its kernels give with vLLM. The learner reports it as
+    `logprob_mismatch` (token mean) and `logprob_mismatch_max`.
+    """
+
+    logprob_mismatch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
+        log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
+        with torch.no_grad():
+            gap = log_weight.detach().reshape(mask.shape)[mask].abs().float()
+            zero = gap.new_zeros(())
+            self.logprob_mismatch = (gap.mean(), gap.max()) if gap.numel() else (zero, zero)
+        return log_weight, dist, kl_approx, mask
+
+
 @functools.cache
-def with_token_mean_kl(cls: type) -> type:
-    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`; the same class on every call."""
-    return type(cls.__name__, (TokenMeanKL, cls), {"__module__": __name__})
+def titan_loss_class(cls: type) -> type:
+    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL` and `LogProbMismatch`; the same
+    class on every call."""
+    return type(cls.__name__, (TokenMeanKL, LogProbMismatch, cls), {"__module__": __name__})
 
 
 def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
@@ -55,6 +79,6 @@ def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
     try:
-        return with_token_mean_kl(loss_class(section.name))(actor, **kwargs)
+        return titan_loss_class(loss_class(section.name))(actor, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err

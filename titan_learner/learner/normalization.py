@@ -22,6 +22,7 @@ own count over data-parallel ranks (exact whenever the window is one micro-batch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -33,6 +34,7 @@ from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY
 TOKENS, ROWS, CALLS = "tokens", "rows", "calls"
 KINDS = (TOKENS, ROWS, CALLS)
 KL_TERMS = ("loss_kl_to_ref", "loss_kl_to_inference")
+MAX_SUFFIX = "_max"  # a diagnostic reported as its largest value, not a weighted mean
 
 
 def micro_batch_counts(batch: TensorDictBase) -> dict[str, float]:
@@ -85,12 +87,14 @@ class WindowMetrics:
 
     Each term is weighted by its own count (a loss term like the loss normalizes it, a
     diagnostic by trained tokens); on the call that closes the window the loss terms are
-    exactly the step's global loss terms. One all-reduce per call.
+    exactly the step's global loss terms. A term named `*_max` is the largest value instead.
+    One all-reduce per call (two with `*_max` terms).
     """
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
 
     def metrics(
         self,
@@ -98,8 +102,15 @@ class WindowMetrics:
         counts: Mapping[str, float],
         loss_module: nn.Module,
         reduce_sum: Callable[[dict[str, float]], dict[str, float]],
+        reduce_max: Callable[[dict[str, float]], dict[str, float]],
     ) -> TensorDict:
         for key, value in terms.items():
+            if key.endswith(MAX_SUFFIX):
+                if counts[TOKENS] > 0:  # a maximum over no trained token says nothing
+                    self.maxima[key] = max(self.maxima.get(key, -math.inf), float(value))
+                else:
+                    self.maxima.setdefault(key, -math.inf)
+                continue
             weight = counts[term_kind(loss_module, key)]
             self.sums.setdefault(key, 0.0)
             self.weights.setdefault(key, 0.0)
@@ -112,13 +123,20 @@ class WindowMetrics:
             **{("w", k): self.weights[k] for k in keys},
         }
         total = reduce_sum(local)
+        largest = reduce_max(dict(self.maxima)) if self.maxima else {}
         return TensorDict(
             {
-                k: torch.tensor(
-                    total[("sum", k)] / total[("w", k)] if total[("w", k)] > 0 else 0.0,
-                    dtype=torch.float32,
-                )
-                for k in keys
+                **{
+                    k: torch.tensor(
+                        total[("sum", k)] / total[("w", k)] if total[("w", k)] > 0 else 0.0,
+                        dtype=torch.float32,
+                    )
+                    for k in keys
+                },
+                **{
+                    k: torch.tensor(v if math.isfinite(v) else 0.0, dtype=torch.float32)
+                    for k, v in largest.items()
+                },
             },
             batch_size=[],
         )
