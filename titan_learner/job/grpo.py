@@ -321,6 +321,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
         with PreemptionGuard() as preemption:
             if learner.step == 0:
                 evaluation(0)
+            started = time.perf_counter()
             for step in range(learner.step + 1, config.run.steps + 1):
                 rng = sampling_rng(
                     config.run.seed, step, learner.data_parallel_rank, learner.device
@@ -329,6 +330,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                     config, learner, generator, inputs, loader.next_step(), rng, reference
                 )
                 result.metrics["epoch"] = loader.epoch
+                result.metrics["elapsed_s"] = time.perf_counter() - started  # this run's steps
                 history.append(result.metrics)
                 telemetry.log(step, result.metrics)
                 if config.run.log_samples_every and step % config.run.log_samples_every == 0:
