@@ -279,18 +279,17 @@ class Learner:
 
     def _reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         """`values` summed over data-parallel ranks (one all-reduce; a no-op on one rank)."""
-        if self.data_parallel_group is None:
-            return dict(values)
-        stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
-        return dict(zip(values, stacked.tolist(), strict=True))
+        return self._reduce(values, dist.ReduceOp.SUM)
 
     def _reduce_max(self, values: dict[str, float]) -> dict[str, float]:
         """`values` maximized over data-parallel ranks (one all-reduce; a no-op on one rank)."""
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
         if self.data_parallel_group is None:
             return dict(values)
         stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+        dist.all_reduce(stacked, op=op, group=self.data_parallel_group)
         return dict(zip(values, stacked.tolist(), strict=True))
 
     def _window_position(self) -> int:
