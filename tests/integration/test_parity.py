@@ -16,7 +16,13 @@ from tests.support.worlds import run_world
 from titan_learner.learner.local import LocalLearner
 
 TOL = 1e-5
-COMPARED = ("loss_objective", "loss_entropy", "grad_norm")
+COMPARED = (
+    "loss_objective",
+    "loss_entropy",
+    "grad_norm",
+    "logprob_mismatch",  # token-weighted over ranks
+    "logprob_mismatch_max",  # MAX over ranks
+)
 
 WORLD2 = {
     "dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}}},
