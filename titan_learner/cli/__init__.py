@@ -147,6 +147,10 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         run(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite)
+        if dist.is_initialized():
+            # Every rank reaches the teardown together: a rank that tears its process group
+            # down while another still uses it (rank 0 drawing the curves) can abort at exit.
+            dist.barrier()
     except _user_errors() as err:
         return _error(err)
     except (KeyboardInterrupt, Preempted) as err:
