@@ -19,6 +19,9 @@ TOL = 1e-5
 COMPARED = (
     "loss_objective",
     "loss_entropy",
+    "entropy",  # token means, whatever the padding (losses.TokenMeanDiagnostics)
+    "clip_fraction",
+    "kl_approx",
     "grad_norm",
     "logprob_mismatch",  # token-weighted over ranks
     "logprob_mismatch_max",  # MAX over ranks

@@ -113,3 +113,21 @@ def test_kl_to_reference_is_a_mean_over_trained_tokens():
     metrics = one.update(batch)
     assert float(metrics["kl_to_ref"]) == pytest.approx(float(expected), rel=1e-4)
     assert float(metrics["loss_kl_to_ref"]) == pytest.approx(0.1 * float(expected), rel=1e-4)
+
+
+def test_diagnostics_are_means_over_trained_tokens_not_padded_positions():
+    """TorchRL averages clip_fraction, kl_approx and entropy over every padded position."""
+    batch = varied_batch({})
+    one = learner({})
+    with torch.no_grad():
+        dist = one.policy.get_dist(batch, mask_key=ASSISTANT_MASK_KEY)
+        current = dist.log_prob(batch.get(("tokens", "full")))
+        entropy = dist.entropy()
+    mask = batch.get(ASSISTANT_MASK_KEY)
+    metrics = one.update(batch)
+    kl = (batch.get(LOG_PROBS_KEY) - current)[mask].mean()
+    assert float(metrics["kl_approx"]) == pytest.approx(float(kl), rel=1e-4)
+    assert float(metrics["entropy"]) == pytest.approx(float(entropy[mask].mean()), rel=1e-4)
+    log_ratio = (current - batch.get(LOG_PROBS_KEY))[mask]
+    clipped = (log_ratio.exp() - 1).abs() > 0.2
+    assert float(metrics["clip_fraction"]) == pytest.approx(float(clipped.float().mean()), abs=1e-6)

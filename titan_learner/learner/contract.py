@@ -33,7 +33,7 @@ from titan_learner.learner.guards import (
     loss_own_state,
     reject_unsynchronized_loss_parameters,
 )
-from titan_learner.learner.losses import build_loss
+from titan_learner.learner.losses import build_loss, token_mean_diagnostics
 from titan_learner.learner.normalization import (
     WindowMetrics,
     check_counts,
@@ -156,8 +156,10 @@ class Learner:
         """
         module = self.loss_module if method is None else getattr(self.loss_module, method)
         self.loss_module.logprob_mismatch = None  # set by this forward (losses.LogProbMismatch)
+        self.loss_module.positions_per_token = None  # and this (losses.TokenMeanDiagnostics)
         out = module(batch)
         out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
+        token_mean_diagnostics(out, self.loss_module)
         if self.loss_module.logprob_mismatch is not None:
             mean, largest = self.loss_module.logprob_mismatch
             out.set("logprob_mismatch", mean)

@@ -66,11 +66,43 @@ class LogProbMismatch:
         return log_weight, dist, kl_approx, mask
 
 
+TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy")
+
+
+class TokenMeanDiagnostics:
+    """`clip_fraction`, `kl_approx` and `entropy` as means over the trained tokens.
+
+    TorchRL 0.14.1 reports them as means over every position of the padded `[B, T]` batch, 0 on
+    padding: a batch with more padding reports less clipping and less entropy than its tokens
+    have, and a step split over ranks or micro-batches of other widths cannot add up to the
+    whole. `positions_per_token` (set at each forward) rescales them, as `TokenMeanKL` does
+    the KL terms; the learner applies it (`token_mean_diagnostics`).
+    """
+
+    positions_per_token: torch.Tensor | None = None
+
+    def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
+        log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
+        self.positions_per_token = mask.numel() / mask.sum().clamp_min(1)
+        return log_weight, dist, kl_approx, mask
+
+
+def token_mean_diagnostics(out: Any, loss_module: nn.Module) -> None:
+    """Rescale the padded-position means of `out` in place to trained-token means."""
+    scale = getattr(loss_module, "positions_per_token", None)
+    if scale is None:
+        return
+    for key in TOKEN_DIAGNOSTICS:
+        if key in out.keys():
+            out.set(key, out.get(key) * scale)
+
+
 @functools.cache
 def titan_loss_class(cls: type) -> type:
-    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL` and `LogProbMismatch`; the same
-    class on every call."""
-    return type(cls.__name__, (TokenMeanKL, LogProbMismatch, cls), {"__module__": __name__})
+    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch` and
+    `TokenMeanDiagnostics`; the same class on every call."""
+    bases = (TokenMeanKL, LogProbMismatch, TokenMeanDiagnostics, cls)
+    return type(cls.__name__, bases, {"__module__": __name__})
 
 
 def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
