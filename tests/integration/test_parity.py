@@ -63,6 +63,20 @@ WORLD2 = {
         "accumulate": True,
         "varied": True,
     },
+    # Token-budget micro-batches: each rank packs its rows by length into micro-batches of at
+    # most 32 positions (its own count; the ranks run the most any of them needs).
+    "varied token budget dp_shard=2": {
+        "sections": {"parallelism": {"dp_shard": 2}, "learner": {"max_tokens_per_microbatch": 32}},
+        "varied": True,
+    },
+    "varied prompt_mean token budget dp_shard=2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"max_tokens_per_microbatch": 32},
+            "loss": {"aggregation": "prompt_mean"},
+        },
+        "varied": True,
+    },
     "varied kl dp_shard=2 accumulate 2": {
         "sections": {
             "parallelism": {"dp_shard": 2},
@@ -168,9 +182,14 @@ def test_one_process_titan_learner_matches_local(reference):
             "accumulate": True,
             "varied": True,
         },
+        "varied token budget": {
+            "sections": {"learner": {"max_tokens_per_microbatch": 24}},
+            "varied": True,
+        },
     }
     [result] = run_world(1, run_layouts, layouts)
     assert_matches(result["varied accumulate 2"], varied_reference("varied accumulate 2"))
+    assert_matches(result["varied token budget"], varied_reference("varied token budget"))
     assert_matches(result["llama3"], reference)
     assert_matches(result["compiled"], reference)  # per-block torch.compile, HF names exported
     assert_matches(result["qwen3"], local_run("qwen3"))

@@ -70,6 +70,18 @@ def test_few_steps_on_one_process_write_metrics_and_curves(tmp_path):
     assert [m["policy_version"] for m in history] == [1.0, 2.0, 3.0]
 
 
+def test_a_token_budget_trains_the_job_like_one_padded_batch(tmp_path):
+    """`[learner] max_tokens_per_microbatch`: the job hands each rank's whole batch to update(),
+    which packs it by length into micro-batches of at most 64 positions; same step, same run."""
+    [padded] = run_world(1, short_run, str(tmp_path / "padded"), 2, ["eval.every_steps=0"])
+    budget = ["eval.every_steps=0", "learner.max_tokens_per_microbatch=64"]
+    [budgeted] = run_world(1, short_run, str(tmp_path / "budget"), 2, budget)
+    for want, got in zip(padded, budgeted, strict=True):
+        for key in ("reward_mean", "loss_objective", "grad_norm", "clip_fraction", "entropy"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
 @pytest.mark.slow
 def test_two_ranks_fsdp_agree_on_metrics(tmp_path):
     """dp_shard=2: each rank samples its half of the prompts; reported metrics are global."""

@@ -53,6 +53,16 @@ BAD = {
         ['rollout.generator="vllm"', 'rollout.model_path="engine"', "rollout.vllm.seed=3"],
         "[rollout.vllm] seed: seed is set by [run] seed, not here",
     ),
+    "token budget shorter than a sequence": (
+        ["learner.max_tokens_per_microbatch=20"],
+        "[learner] max_tokens_per_microbatch: max_tokens_per_microbatch = 20 is shorter than the "
+        "longest training sequence (max_prompt_tokens + max_new_tokens = 24); allowed: at least 24",
+    ),
+    "token budget with accumulation": (
+        ["learner.max_tokens_per_microbatch=4096", "learner.grad_accum_steps=2"],
+        "[learner] max_tokens_per_microbatch: max_tokens_per_microbatch = 4096 splits each step "
+        "by tokens and grad_accum_steps = 2 by count",
+    ),
     "compile, tp and ac": (
         ["compile.enable=true", "parallelism.tp=2", "activation_checkpoint.mode=full"],
         "[compile] enable: compile with tensor parallel and activation checkpointing together",

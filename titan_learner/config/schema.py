@@ -103,6 +103,11 @@ class LearnerSection:
     logprob_chunk_size: int = field(default=0, metadata=NON_NEGATIVE)
     """Token positions per lm_head chunk when the loss scores tokens (0: dense [B, T, V] logits).
     > 0 never holds more than one chunk of [chunk, vocab] float32 logits, in forward or backward."""
+    max_tokens_per_microbatch: int = field(default=0, metadata=NON_NEGATIVE)
+    """Token-budget micro-batches (0: off): each update splits the rank's batch, sorted by
+    length, into micro-batches of at most this many computed positions (rows x longest row),
+    each trimmed to its longest row; one optimizer step, the same loss. Needs grad_accum_steps
+    = 1 and at least the longest prompt + completion."""
 
 
 @dataclass

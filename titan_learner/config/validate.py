@@ -104,6 +104,15 @@ def validate_fields(config: Config) -> None:
             source=config.source,
             where="[compile] enable",
         )
+    learner = config.learner
+    if learner.max_tokens_per_microbatch and learner.grad_accum_steps != 1:
+        raise ConfigError(
+            f"max_tokens_per_microbatch = {learner.max_tokens_per_microbatch} splits each step "
+            f"by tokens and grad_accum_steps = {learner.grad_accum_steps} by count; allowed: "
+            "one of them (grad_accum_steps = 1 with a token budget)",
+            source=config.source,
+            where="[learner] max_tokens_per_microbatch",
+        )
     check_loss_kwargs(config.loss, config.source)
 
 

@@ -100,6 +100,15 @@ def check_sequence_length(config: Config, max_seq_len: int) -> None:
     """A prompt and its completion must fit the positions the model covers (its RoPE tables)."""
     longest_new = max(config.rollout.max_new_tokens, config.eval.max_new_tokens)
     needed = longest_sequence(config)
+    budget = config.learner.max_tokens_per_microbatch
+    trained = config.data.max_prompt_tokens + config.rollout.max_new_tokens
+    if budget and budget < trained:
+        raise ConfigError(
+            f"max_tokens_per_microbatch = {budget} is shorter than the longest training sequence "
+            f"(max_prompt_tokens + max_new_tokens = {trained}); allowed: at least {trained}",
+            source=config.source,
+            where="[learner] max_tokens_per_microbatch",
+        )
     if needed > max_seq_len:
         raise ConfigError(
             f"max_prompt_tokens + max_new_tokens = {config.data.max_prompt_tokens} + "

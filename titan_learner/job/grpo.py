@@ -167,8 +167,10 @@ def grpo_step(
 
     start = time.perf_counter()
     metrics: dict[str, float] = {}
-    micros = batch.chunk(config.learner.grad_accum_steps)
-    counts = step_counts(micros)  # the step's loss is the mean over all of its tokens
+    # A token budget: the learner splits the whole batch itself (one call, one step).
+    budget = config.learner.max_tokens_per_microbatch
+    micros = [batch] if budget else batch.chunk(config.learner.grad_accum_steps)
+    counts = None if budget else step_counts(micros)  # the step's mean is over all its tokens
     for micro in micros:
         if reference is not None:  # a collective, per micro-batch (bounded like the update)
             micro.set(REF_LOG_PROBS_KEY, reference.log_probs(micro))

@@ -34,12 +34,14 @@ from titan_learner.learner.guards import (
     reject_unsynchronized_loss_parameters,
 )
 from titan_learner.learner.losses import build_loss, token_mean_diagnostics
+from titan_learner.learner.microbatch import token_budget_micro_batches
 from titan_learner.learner.normalization import (
     WindowMetrics,
     check_counts,
     micro_batch_counts,
     term_kind,
 )
+from titan_learner.learner.normalization import step_counts as window_counts
 from titan_learner.learner.optimizer import build_lr_scheduler, build_optimizer
 from titan_learner.learner.policy import TitanPolicy
 from titan_learner.learner.stepper import TitanOptimizationStepper
@@ -210,6 +212,10 @@ class Learner:
         micro-batch is normalized over its own tokens on every rank, which is exact when the
         window is one micro-batch (`grad_accum_steps = 1`).
 
+        With `[learner] max_tokens_per_microbatch = N` (and `grad_accum_steps = 1`), `batch` is
+        this rank's whole step: the learner splits it by length into micro-batches of at most N
+        computed positions (titan_learner.learner.microbatch) and takes one optimizer step.
+
         Returns detached scalar metrics over data-parallel ranks, for the window so far: on
         the call that closes it, the whole step's loss terms (token- or row-weighted like
         the loss) and token-weighted diagnostics. `grad_norm` and `lr` appear only on calls
@@ -217,6 +223,30 @@ class Learner:
         """
         needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
         batch = check_batch(batch, self.vocab_size, needs_ref).to(self.device)
+        budget = self.config.learner.max_tokens_per_microbatch
+        if not budget:
+            return self._report(*self._update_one(batch, step_counts))
+        one_window = getattr(self.stepper, "one_window", None)
+        if one_window is None or self.config.learner.grad_accum_steps != 1 or step_counts:
+            raise ValueError(
+                "max_tokens_per_microbatch makes each update() one optimizer step over the "
+                "rank's whole batch; allowed: grad_accum_steps = 1, no step_counts, and the "
+                "learner's own stepper (TitanOptimizationStepper)"
+            )
+        micros = token_budget_micro_batches(batch, budget, self._most_over_ranks)
+        counts = window_counts(micros)
+        skipped = self.stepper.skipped_nonfinite_steps
+        with one_window(len(micros)):
+            for micro in micros:
+                result = self._update_one(micro, counts)
+                if self.stepper.skipped_nonfinite_steps != skipped:
+                    break  # the window was dropped, on every rank alike (see compute_loss)
+        return self._report(*result)
+
+    def _update_one(
+        self, batch: TensorDictBase, step_counts: Mapping[str, float] | None
+    ) -> tuple[TensorDictBase, float, bool]:
+        """One checked micro-batch through the stepper: (its metrics, the lr, window over)."""
         counts = micro_batch_counts(batch)
         self._scales = self._normalize(counts, step_counts)
         self.model.train()
@@ -238,9 +268,12 @@ class Learner:
         window_over = stepped or self._window_position() == 0  # stepped, or dropped
         if window_over:
             self.step += 1
-        out = self._window.metrics(
-            self._terms, counts, self.loss_module, self._reduce_sum, self._reduce_max
-        )
+        self._window.add(self._terms, counts, self.loss_module)
+        return metrics, lr, window_over
+
+    def _report(self, metrics: TensorDictBase, lr: float, window_over: bool) -> TensorDict:
+        """The window's metrics so far over data-parallel ranks, plus the stepper's own."""
+        out = self._window.result(self._reduce_sum, self._reduce_max)
         if window_over:
             self._window = WindowMetrics()
         if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
@@ -250,6 +283,10 @@ class Learner:
             getattr(self.stepper, "skipped_nonfinite_steps", 0)
         )
         return out
+
+    def _most_over_ranks(self, count: int) -> int:
+        """The largest `count` of any data-parallel rank (one all-reduce)."""
+        return int(self._reduce_max({"count": float(count)})["count"])
 
     def _normalize(
         self, counts: dict[str, float], step_counts: Mapping[str, float] | None

@@ -88,7 +88,7 @@ class WindowMetrics:
     Each term is weighted by its own count (a loss term like the loss normalizes it, a
     diagnostic by trained tokens); on the call that closes the window the loss terms are
     exactly the step's global loss terms. A term named `*_max` is the largest value instead.
-    One all-reduce per call (two with `*_max` terms).
+    `result` costs one all-reduce (two with `*_max` terms); `add` none.
     """
 
     def __init__(self) -> None:
@@ -96,14 +96,10 @@ class WindowMetrics:
         self.weights: dict[str, float] = {}
         self.maxima: dict[str, float] = {}
 
-    def metrics(
-        self,
-        terms: Mapping[str, torch.Tensor],
-        counts: Mapping[str, float],
-        loss_module: nn.Module,
-        reduce_sum: Callable[[dict[str, float]], dict[str, float]],
-        reduce_max: Callable[[dict[str, float]], dict[str, float]],
-    ) -> TensorDict:
+    def add(
+        self, terms: Mapping[str, torch.Tensor], counts: Mapping[str, float], loss_module: nn.Module
+    ) -> None:
+        """One micro-batch's terms, weighted by its counts (no collective)."""
         for key, value in terms.items():
             if key.endswith(MAX_SUFFIX):
                 if counts[TOKENS] > 0:  # a maximum over no trained token says nothing
@@ -117,6 +113,13 @@ class WindowMetrics:
             if weight > 0:  # a term over nothing (no trained token) says nothing
                 self.sums[key] += weight * float(value)
                 self.weights[key] += weight
+
+    def result(
+        self,
+        reduce_sum: Callable[[dict[str, float]], dict[str, float]],
+        reduce_max: Callable[[dict[str, float]], dict[str, float]],
+    ) -> TensorDict:
+        """The window so far over data-parallel ranks (the collectives)."""
         keys = sorted(self.sums)
         local = {
             **{("sum", k): self.sums[k] for k in keys},

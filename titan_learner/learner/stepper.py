@@ -7,6 +7,8 @@ last micro-batch of a window (`set_requires_gradient_sync`), which gives the sam
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tensordict import TensorDictBase
@@ -40,6 +42,19 @@ class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
         closes_window = (self._micro_step + 1) % self.gradient_accumulation_steps == 0
         set_gradient_sync(self.model, closes_window)
         return super().step(trainer, sub_batch)
+
+    @contextmanager
+    def one_window(self, micro_batches: int) -> Iterator[None]:
+        """The next `micro_batches` calls accumulate into one optimizer step, then the
+        configured accumulation returns (token-budget micro-batches: one window per update)."""
+        if self._micro_step % self.gradient_accumulation_steps:
+            raise RuntimeError("one_window() inside an open accumulation window")
+        configured = self.gradient_accumulation_steps
+        self.gradient_accumulation_steps, self._micro_step = micro_batches, 0
+        try:
+            yield
+        finally:
+            self.gradient_accumulation_steps, self._micro_step = configured, 0
 
     def counters(self) -> dict[str, int]:
         """Counters without the optimizer (the Learner checkpoints the optimizer itself)."""
