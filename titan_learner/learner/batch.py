@@ -38,9 +38,13 @@ def _fmt(key) -> str:
 
 
 def check_batch(
-    batch: TensorDictBase, vocab_size: int, needs_ref_log_probs: bool
+    batch: TensorDictBase,
+    vocab_size: int,
+    needs_ref_log_probs: bool,
+    device: torch.device | None = None,
 ) -> TensorDictBase:
-    """Validate `batch` and return it with the advantage shaped as TorchRL's loss wants it."""
+    """Validate `batch` and return it (on `device`, when given) with the advantage shaped as
+    TorchRL's loss wants it. The value checks cost one host synchronization."""
     if not isinstance(batch, TensorDictBase):
         raise BatchError(f"update() takes a TensorDict, got {type(batch).__name__}")
     required = (*REQUIRED_KEYS, REF_LOG_PROBS_KEY) if needs_ref_log_probs else REQUIRED_KEYS
@@ -74,17 +78,32 @@ def check_batch(
             )
         if value.requires_grad:
             raise BatchError(f"{_fmt(key)} must not require grad (behaviour log-probs are data)")
+    if device is not None and tokens.device != device:
+        batch = batch.to(device)
+        tokens = batch.get(TOKENS_KEY)
     attention = batch.get(ATTENTION_MASK_KEY)
-    if (batch.get(ASSISTANT_MASK_KEY) & ~attention).any():
+    limits = torch.iinfo(tokens.dtype)
+    checks = (
+        torch.stack(
+            [
+                (batch.get(ASSISTANT_MASK_KEY) & ~attention).any().to(tokens.dtype),
+                torch.where(attention, tokens, limits.max).min(),  # over real tokens only
+                torch.where(attention, tokens, limits.min).max(),
+            ]
+        )
+        if tokens.numel()
+        else torch.tensor([0, 0, 0])
+    )
+    on_padding, lowest, highest = checks.tolist()
+    if on_padding:
         raise BatchError(
             f"{_fmt(ASSISTANT_MASK_KEY)} marks padding positions; it must be a subset of "
             f"{_fmt(ATTENTION_MASK_KEY)}"
         )
-    real = tokens[attention]
-    if real.numel() and (real.min() < 0 or real.max() >= vocab_size):
+    if lowest <= highest and (lowest < 0 or highest >= vocab_size):  # else: no real token
         raise BatchError(
             f"token ids must lie in [0, {vocab_size}) (the model's vocab_size), "
-            f"got [{int(real.min())}, {int(real.max())}]"
+            f"got [{lowest}, {highest}]"
         )
     advantage = batch.get(ADVANTAGE_KEY)
     B, T = shape

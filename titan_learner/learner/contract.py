@@ -36,8 +36,10 @@ from titan_learner.learner.guards import (
 from titan_learner.learner.losses import build_loss, token_mean_diagnostics
 from titan_learner.learner.microbatch import token_budget_micro_batches
 from titan_learner.learner.normalization import (
+    MetricTerms,
+    StepNormalization,
     WindowMetrics,
-    check_counts,
+    metric_terms,
     micro_batch_counts,
     term_kind,
 )
@@ -119,10 +121,10 @@ class Learner:
         self.policy_version = 0
         self.vocab_size = model.config.vocab_size
         # update()'s normalization state (titan_learner.learner.normalization)
-        self._scales: dict[str, float] | None = None
-        self._terms: dict[str, torch.Tensor] = {}
-        self._window_totals: dict[str, float] | None = None
-        self._window_seen: dict[str, float] = {}
+        self._pending: dict[str, float] | None = None  # counts to sum before this backward
+        self._in_update = False
+        self._terms = MetricTerms()
+        self._normalization = StepNormalization()
         self._window = WindowMetrics()
 
     # -- construction -------------------------------------------------------------------------
@@ -181,20 +183,18 @@ class Learner:
             )
         for key in loss_keys:  # TorchRL's prompt_mean reduces to shape [1]: one value all the same
             out.set(key, out.get(key).reshape(()))
-        finite = torch.isfinite(total.detach()).to(torch.int32).reshape(1)
-        if dist.is_initialized() and self.capabilities.world_size > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if not bool(finite.item()):
+        finite, summed = self._agree(torch.isfinite(total.detach()))
+        if not finite:
             for key in loss_keys:
                 out.set(key, out.get(key) * torch.nan)
-        if self._scales is not None:  # inside update: see titan_learner.learner.normalization
-            self._terms = {
-                k: out.get(k).detach().float().mean()
-                for k in out.keys()
-                if isinstance(k, str) and out.get(k).is_floating_point()
-            }
+        if self._in_update:  # see titan_learner.learner.normalization
+            self._terms = metric_terms(out)
+            accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
+            scales = self._normalization.scales(
+                summed, self.capabilities.data_parallel_size, accumulation
+            )
             for key in loss_keys:
-                out.set(key, out.get(key) * self._scales[term_kind(self.loss_module, key)])
+                out.set(key, out.get(key) * scales[term_kind(self.loss_module, key)])
         return out
 
     # -- the contract -------------------------------------------------------------------------
@@ -222,7 +222,7 @@ class Learner:
         that closed a window. Every rank must call it.
         """
         needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
-        batch = check_batch(batch, self.vocab_size, needs_ref).to(self.device)
+        batch = check_batch(batch, self.vocab_size, needs_ref, self.device)
         budget = self.config.learner.max_tokens_per_microbatch
         if not budget:
             return self._report(*self._update_one(batch, step_counts))
@@ -248,14 +248,19 @@ class Learner:
     ) -> tuple[TensorDictBase, float, bool]:
         """One checked micro-batch through the stepper: (its metrics, the lr, window over)."""
         counts = micro_batch_counts(batch)
-        self._scales = self._normalize(counts, step_counts)
-        self.model.train()
+        accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
+        self._pending = self._normalization.begin(
+            counts, step_counts, self._window_position(), accumulation
+        )
+        self._in_update = True
+        if not self.model.training:  # train() walks every module: not on every micro-batch
+            self.model.train()
         steps_before = getattr(self.stepper, "optimizer_step_count", None)
         lr = self.lr_scheduler.schedulers[0].get_last_lr()[0]  # the rate this step applies
         try:
             metrics = self.stepper._step(self, batch)
         finally:
-            self._scales = None
+            self._in_update, self._pending = False, None
         if steps_before is None:  # a stepper without a counter steps on every call it reports
             stepped = "grad_norm" in metrics.keys()
         else:
@@ -268,12 +273,12 @@ class Learner:
         window_over = stepped or self._window_position() == 0  # stepped, or dropped
         if window_over:
             self.step += 1
-        self._window.add(self._terms, counts, self.loss_module)
+        self._window.add(self._terms.values(), counts, self.loss_module)
         return metrics, lr, window_over
 
     def _report(self, metrics: TensorDictBase, lr: float, window_over: bool) -> TensorDict:
         """The window's metrics so far over data-parallel ranks, plus the stepper's own."""
-        out = self._window.result(self._reduce_sum, self._reduce_max)
+        out = self._window.result(self._reduce)
         if window_over:
             self._window = WindowMetrics()
         if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
@@ -286,50 +291,53 @@ class Learner:
 
     def _most_over_ranks(self, count: int) -> int:
         """The largest `count` of any data-parallel rank (one all-reduce)."""
-        return int(self._reduce_max({"count": float(count)})["count"])
+        return int(self._reduce({}, {"count": float(count)})[1]["count"])
 
-    def _normalize(
-        self, counts: dict[str, float], step_counts: Mapping[str, float] | None
-    ) -> dict[str, float]:
-        """Each count kind's loss scale for this micro-batch (see learner.normalization)."""
-        accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
-        position = self._window_position()
-        if step_counts is None:
-            totals = {k: v * accumulation for k, v in self._reduce_sum(counts).items()}
-            self._window_totals = None
-        else:
-            local = check_counts(step_counts)
-            if position == 0 or self._window_totals is None:
-                self._window_totals = self._reduce_sum(local)
-                self._window_seen = dict.fromkeys(local, 0.0)
-            for kind, count in counts.items():
-                self._window_seen[kind] += count
-            if position == accumulation - 1 and self._window_seen != local:
-                seen = self._window_seen
-                self._window_totals = None
-                raise ValueError(
-                    f"step_counts {local} do not describe the micro-batches of this window, "
-                    f"which held {seen}: pass every micro-batch of a window the same "
-                    "step_counts(micro_batches), computed from all of them"
-                )
-            totals = self._window_totals
-        size = self.capabilities.data_parallel_size * accumulation
-        return {k: size * counts[k] / totals[k] if totals[k] > 0 else 0.0 for k in counts}
+    def _agree(self, finite: torch.Tensor) -> tuple[bool, dict[str, float] | None]:
+        """One collective before backward: is the loss finite on every rank, and the pending
+        counts (`StepNormalization.begin`) summed over data-parallel ranks.
 
-    def _reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
-        """`values` summed over data-parallel ranks (one all-reduce; a no-op on one rank)."""
-        return self._reduce(values, dist.ReduceOp.SUM)
+        A rank that skipped backward while others ran it would hang the gradient collectives,
+        so the drop decision is taken over the whole world. Ranks of one tensor-parallel group
+        hold the same batch: the world's sum of the counts is their sum times the TP size.
+        """
+        pending = self._pending or {}
+        local = torch.cat(
+            [
+                (~finite).to(torch.float64).reshape(1),
+                torch.tensor(list(pending.values()), dtype=torch.float64, device=finite.device),
+            ]
+        )
+        if dist.is_initialized() and self.capabilities.world_size > 1:
+            dist.all_reduce(local)
+        nonfinite, *sums = local.tolist()
+        tp = self.capabilities.tensor_parallel_size
+        summed = dict(zip(pending, (v / tp for v in sums), strict=True))
+        return nonfinite == 0, summed if self._pending is not None else None
 
-    def _reduce_max(self, values: dict[str, float]) -> dict[str, float]:
-        """`values` maximized over data-parallel ranks (one all-reduce; a no-op on one rank)."""
-        return self._reduce(values, dist.ReduceOp.MAX)
+    def _reduce(
+        self, sums: dict[str, float], maxima: dict[str, float] | None = None
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """`sums` summed and `maxima` maximized over data-parallel ranks, in one all-reduce.
 
-    def _reduce(self, values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
+        Each rank writes its maxima into a slot of its own, zeros elsewhere; the summed slots
+        hold every rank's maxima, maximized locally. A no-op without data parallelism.
+        """
+        maxima = maxima or {}
         if self.data_parallel_group is None:
-            return dict(values)
-        stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(stacked, op=op, group=self.data_parallel_group)
-        return dict(zip(values, stacked.tolist(), strict=True))
+            return dict(sums), dict(maxima)
+        group = self.data_parallel_group
+        size, here = dist.get_world_size(group), dist.get_rank(group)
+        slots = torch.zeros(size, len(maxima), dtype=torch.float64)
+        slots[here] = torch.tensor(list(maxima.values()), dtype=torch.float64)
+        local = torch.cat([torch.tensor(list(sums.values()), dtype=torch.float64), slots.flatten()])
+        local = local.to(self.device)
+        dist.all_reduce(local, group=group)
+        values = local.tolist()
+        summed = dict(zip(sums, values[: len(sums)], strict=True))
+        columns = torch.tensor(values[len(sums) :], dtype=torch.float64).view(size, len(maxima))
+        largest = dict(zip(maxima, columns.max(0).values.tolist(), strict=True))
+        return summed, largest
 
     def _window_position(self) -> int:
         """Micro-batches into the current accumulation window (0: the window just closed)."""
@@ -496,7 +504,8 @@ class Learner:
         if hasattr(self.stepper, "load_counters") and counters:
             self.stepper.load_counters(counters)
         self.optimizer.zero_grad(set_to_none=True)
-        self._window, self._window_totals = WindowMetrics(), None
+        self._window = WindowMetrics()
+        self._normalization.reset()
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
 

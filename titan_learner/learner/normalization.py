@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -82,13 +83,103 @@ def check_counts(counts: Mapping[str, float]) -> dict[str, float]:
     return checked
 
 
+class StepNormalization:
+    """The loss scales of each micro-batch, from counts summed over data-parallel ranks.
+
+    `begin` (before the forward) says which local counts must be summed over ranks for this
+    micro-batch: its own without `step_counts`, the window's on a window's first micro-batch,
+    none after that. The learner sums them in the same collective that checks the loss is
+    finite on every rank, then `scales` turns the sums into this micro-batch's scales.
+    """
+
+    def __init__(self) -> None:
+        self.window_totals: dict[str, float] | None = None
+        self.window_seen: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+        self.per_call = True
+
+    def reset(self) -> None:
+        self.window_totals = None
+
+    def begin(
+        self,
+        counts: dict[str, float],
+        step_counts: Mapping[str, float] | None,
+        position: int,
+        accumulation: int,
+    ) -> dict[str, float] | None:
+        """The local counts to sum over ranks before this micro-batch's backward, or None."""
+        self.counts = counts
+        self.per_call = step_counts is None
+        if step_counts is None:
+            self.window_totals = None
+            return dict(counts)
+        local = check_counts(step_counts)
+        pending = None
+        if position == 0 or self.window_totals is None:
+            self.window_totals = None
+            self.window_seen = dict.fromkeys(local, 0.0)
+            pending = local
+        for kind, count in counts.items():
+            self.window_seen[kind] += count
+        if position == accumulation - 1 and self.window_seen != local:
+            seen = self.window_seen
+            self.window_totals = None
+            raise ValueError(
+                f"step_counts {local} do not describe the micro-batches of this window, "
+                f"which held {seen}: pass every micro-batch of a window the same "
+                "step_counts(micro_batches), computed from all of them"
+            )
+        return pending
+
+    def scales(
+        self, summed: dict[str, float] | None, data_parallel_size: int, accumulation: int
+    ) -> dict[str, float]:
+        """Each count kind's loss scale, given what `begin` asked to sum (summed over ranks)."""
+        if self.per_call:
+            totals = {k: v * accumulation for k, v in (summed or {}).items()}
+        else:
+            if summed is not None:
+                self.window_totals = summed
+            totals = self.window_totals or {}
+        size = data_parallel_size * accumulation
+        return {
+            k: size * self.counts[k] / totals[k] if totals.get(k, 0) > 0 else 0.0
+            for k in self.counts
+        }
+
+
+@dataclass
+class MetricTerms:
+    """One micro-batch's scalar loss terms and diagnostics, still on the device."""
+
+    keys: list[str] = field(default_factory=list)
+    stacked: torch.Tensor | None = None
+
+    def values(self) -> dict[str, float]:
+        """As floats: one host synchronization for all of them."""
+        if self.stacked is None:
+            return {}
+        return dict(zip(self.keys, self.stacked.tolist(), strict=True))
+
+
+def metric_terms(out: TensorDictBase) -> MetricTerms:
+    """The floating-point entries of a loss output, each reduced to a scalar, in one tensor."""
+    keys = [k for k in out.keys() if isinstance(k, str) and out.get(k).is_floating_point()]
+    if not keys:
+        return MetricTerms()
+    values = [out.get(k).detach() for k in keys]
+    scalars = [v.reshape(()) if v.numel() == 1 else v.mean() for v in values]
+    return MetricTerms(keys, torch.stack(scalars).float())
+
+
 class WindowMetrics:
     """The metrics of an accumulation window so far, over data-parallel ranks.
 
     Each term is weighted by its own count (a loss term like the loss normalizes it, a
     diagnostic by trained tokens); on the call that closes the window the loss terms are
     exactly the step's global loss terms. A term named `*_max` is the largest value instead.
-    `result` costs one all-reduce (two with `*_max` terms); `add` none.
+    `result` costs one all-reduce; `add` none.
     """
 
     def __init__(self) -> None:
@@ -97,13 +188,13 @@ class WindowMetrics:
         self.maxima: dict[str, float] = {}
 
     def add(
-        self, terms: Mapping[str, torch.Tensor], counts: Mapping[str, float], loss_module: nn.Module
+        self, terms: Mapping[str, float], counts: Mapping[str, float], loss_module: nn.Module
     ) -> None:
         """One micro-batch's terms, weighted by its counts (no collective)."""
         for key, value in terms.items():
             if key.endswith(MAX_SUFFIX):
                 if counts[TOKENS] > 0:  # a maximum over no trained token says nothing
-                    self.maxima[key] = max(self.maxima.get(key, -math.inf), float(value))
+                    self.maxima[key] = max(self.maxima.get(key, -math.inf), value)
                 else:
                     self.maxima.setdefault(key, -math.inf)
                 continue
@@ -111,35 +202,26 @@ class WindowMetrics:
             self.sums.setdefault(key, 0.0)
             self.weights.setdefault(key, 0.0)
             if weight > 0:  # a term over nothing (no trained token) says nothing
-                self.sums[key] += weight * float(value)
+                self.sums[key] += weight * value
                 self.weights[key] += weight
 
     def result(
         self,
-        reduce_sum: Callable[[dict[str, float]], dict[str, float]],
-        reduce_max: Callable[[dict[str, float]], dict[str, float]],
+        reduce: Callable[
+            [dict[str, float], dict[str, float]], tuple[dict[str, float], dict[str, float]]
+        ],
     ) -> TensorDict:
-        """The window so far over data-parallel ranks (the collectives)."""
+        """The window so far over data-parallel ranks: `reduce(sums, maxima)` is one collective."""
         keys = sorted(self.sums)
         local = {
-            **{("sum", k): self.sums[k] for k in keys},
-            **{("w", k): self.weights[k] for k in keys},
+            **{f"sum/{k}": self.sums[k] for k in keys},
+            **{f"weight/{k}": self.weights[k] for k in keys},
         }
-        total = reduce_sum(local)
-        largest = reduce_max(dict(self.maxima)) if self.maxima else {}
-        return TensorDict(
-            {
-                **{
-                    k: torch.tensor(
-                        total[("sum", k)] / total[("w", k)] if total[("w", k)] > 0 else 0.0,
-                        dtype=torch.float32,
-                    )
-                    for k in keys
-                },
-                **{
-                    k: torch.tensor(v if math.isfinite(v) else 0.0, dtype=torch.float32)
-                    for k, v in largest.items()
-                },
-            },
-            batch_size=[],
-        )
+        total, largest = reduce(local, dict(self.maxima))
+        means = {
+            k: total[f"sum/{k}"] / total[f"weight/{k}"] if total[f"weight/{k}"] > 0 else 0.0
+            for k in keys
+        }
+        means.update((k, v if math.isfinite(v) else 0.0) for k, v in largest.items())
+        values = torch.tensor(list(means.values()), dtype=torch.float32).unbind()
+        return TensorDict(dict(zip(means, values, strict=True)), batch_size=[])
