@@ -113,7 +113,7 @@ def test_three_updates_end_at_the_same_weights():
 
 
 def test_config_accepts_and_validates_logprob_chunk_size():
-    assert tiny_config().learner.logprob_chunk_size == 0
+    assert tiny_config().learner.logprob_chunk_size == 1024  # chunked by default
     assert tiny_config(learner={"logprob_chunk_size": 512}).learner.logprob_chunk_size == 512
     with pytest.raises(ConfigError, match=r"\[learner\] logprob_chunk_size: -1 is out of range"):
         tiny_config(learner={"logprob_chunk_size": -1})

@@ -100,9 +100,12 @@ class LearnerSection:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """dtype of exported weights (get_weights, iter_weights, sinks): rollout engines run bf16."""
-    logprob_chunk_size: int = field(default=0, metadata=NON_NEGATIVE)
+    logprob_chunk_size: int = field(default=1024, metadata=NON_NEGATIVE)
     """Token positions per lm_head chunk when the loss scores tokens (0: dense [B, T, V] logits).
-    > 0 never holds more than one chunk of [chunk, vocab] float32 logits, in forward or backward."""
+    > 0 runs the lm_head only on the positions the loss scores and never holds more than one
+    chunk of [chunk, vocab] float32 logits, in forward or backward. The default: as fast as the
+    dense path on the smallest models, faster and far smaller on real vocabularies
+    (docs/performance.md)."""
     max_tokens_per_microbatch: int = field(default=0, metadata=NON_NEGATIVE)
     """Token-budget micro-batches (0: off): each update splits the rank's batch, sorted by
     length, into micro-batches of at most this many computed positions (rows x longest row),

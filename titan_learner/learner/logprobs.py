@@ -92,7 +92,8 @@ def chunked_token_stats(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    # One chunk holds what the forward would keep anyway: recomputing it would only cost time.
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] > chunk_size
     tokens, entropies = [], []
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         stop = start + chunk_size
