@@ -16,6 +16,7 @@ answer `validate` checked is the one the run gets.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from titan_learner.config.schema import Config, LossSection
 # The TorchRL loss class behind each [loss] name, imported only when one is built or checked.
 LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss"}
 _NOT_CONFIGURABLE = {"actor_network", "device", "self", "kwargs", "args"}
+PROJECT_LOSS_KEYS = ("tis_cap",)
+"""[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.losses)."""
 T = TypeVar("T")
 
 
@@ -133,7 +136,7 @@ def check_loss_kwargs(section: LossSection, source: str) -> None:
             p
             for p in inspect.signature(loss_class(section.name).__init__).parameters
             if p not in _NOT_CONFIGURABLE
-        ]
+        ] + list(PROJECT_LOSS_KEYS)
         for key in section.kwargs:
             if key not in allowed:
                 raise ConfigError(
@@ -142,6 +145,16 @@ def check_loss_kwargs(section: LossSection, source: str) -> None:
                     source=source,
                     where="[loss]",
                 )
+    cap = section.kwargs.get("tis_cap")
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, int | float) or not 1.0 <= cap < math.inf
+    ):
+        raise ConfigError(
+            f"tis_cap must be a number >= 1 (the largest importance weight a token keeps), "
+            f"got {cap!r}",
+            source=source,
+            where="[loss] tis_cap",
+        )
     eps = section.kwargs.get("clip_epsilon")
     if section.name == "dapo" and not isinstance(eps, list | tuple) and eps is not None:
         raise ConfigError(

@@ -161,8 +161,11 @@ class Learner:
         module = self.loss_module if method is None else getattr(self.loss_module, method)
         self.loss_module.logprob_mismatch = None  # set by this forward (losses.LogProbMismatch)
         self.loss_module.positions_per_token = None  # and this (losses.TokenMeanDiagnostics)
+        self.loss_module.tis_truncated = None  # and this (losses.TruncatedImportanceSampling)
         out = module(batch)
         out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
+        if self.loss_module.tis_truncated is not None:
+            out.set("tis_truncated", self.loss_module.tis_truncated)
         token_mean_diagnostics(out, self.loss_module)
         if self.loss_module.logprob_mismatch is not None:
             mean, largest = self.loss_module.logprob_mismatch

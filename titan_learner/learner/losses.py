@@ -8,6 +8,7 @@ normalization (`TokenMeanKL`) so that every term of the loss is a mean over trai
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,7 +67,33 @@ class LogProbMismatch:
         return log_weight, dist, kl_approx, mask
 
 
-TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy")
+class TruncatedImportanceSampling:
+    """`[loss] tis_cap = C`: truncated importance sampling against the behaviour policy.
+
+    TorchRL's GRPO-family objective clips the ratio pi_theta / mu, where mu (the batch's
+    log-probs) is the policy that sampled the tokens: an engine with other kernels, or weights
+    some versions old (`[rollout] max_off_policy_steps`). With a cap, the objective is the
+    loss's own on the current policy (ratio pi_theta / pi_theta, 1 in value, the gradient of
+    log pi_theta), each token weighted by min(pi_theta / mu, C), without gradient: the
+    truncated importance weight of TIS (Yao et al., 2025). Tokens the generator made far more
+    likely than the learner would count at most C times. `tis_truncated` reports the share of
+    trained tokens whose weight was cut.
+    """
+
+    tis_cap: float | None = None
+    tis_truncated: torch.Tensor | None = None
+
+    def _compute_policy_objective(self, log_weight: Any, advantage: Any) -> tuple[Any, Any]:
+        if self.tis_cap is None:
+            return super()._compute_policy_objective(log_weight, advantage)  # type: ignore[misc]
+        behaviour = log_weight.detach()  # log pi_theta - log mu; 0 off the trained tokens
+        weight = behaviour.exp().clamp(max=self.tis_cap)
+        self.tis_truncated = (behaviour > math.log(self.tis_cap)).to(weight.dtype).mean()
+        loss, clipped = super()._compute_policy_objective(log_weight - behaviour, advantage)  # type: ignore[misc]
+        return loss * weight, clipped
+
+
+TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy", "tis_truncated")
 
 
 class TokenMeanDiagnostics:
@@ -99,9 +126,9 @@ def token_mean_diagnostics(out: Any, loss_module: nn.Module) -> None:
 
 @functools.cache
 def titan_loss_class(cls: type) -> type:
-    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch` and
-    `TokenMeanDiagnostics`; the same class on every call."""
-    bases = (TokenMeanKL, LogProbMismatch, TokenMeanDiagnostics, cls)
+    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch`,
+    `TokenMeanDiagnostics` and `TruncatedImportanceSampling`; the same class on every call."""
+    bases = (TokenMeanKL, LogProbMismatch, TokenMeanDiagnostics, TruncatedImportanceSampling, cls)
     return type(cls.__name__, bases, {"__module__": __name__})
 
 
@@ -110,7 +137,10 @@ def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
     kwargs = {**LOSS_DEFAULTS, **section.kwargs}
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
+    tis_cap = kwargs.pop("tis_cap", None)
     try:
-        return titan_loss_class(loss_class(section.name))(actor, **kwargs)
+        loss = titan_loss_class(loss_class(section.name))(actor, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err
+    loss.tis_cap = None if tis_cap is None else float(tis_cap)
+    return loss
