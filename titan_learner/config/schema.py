@@ -130,6 +130,11 @@ class RolloutSection:
     """Prompts per optimizer step over all data-parallel ranks (divisible by their number)."""
     max_new_tokens: int = field(default=8, metadata=POSITIVE)
     temperature: float = field(default=1.0, metadata={"min": 0.0})
+    max_off_policy_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    """0: each step samples, trains, then pushes the weights (on-policy). k > 0: a background
+    thread samples the coming steps while the learner trains, from weights at most k policy
+    versions old; it drains (on-policy again) after each checkpoint and evaluation, so a resume
+    is exact. Staleness is reported as training/staleness_mean and _max."""
     model_path: str | None = None
     """vllm only: the HF directory (config.json + safetensors) the engines start from; default:
     [model] hf_checkpoint. Its parameter shapes must be the learner's; the learner's weights

@@ -17,8 +17,10 @@ import os
 import resource
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,16 +130,44 @@ class StepResult:
     samples: list[dict]  # a few of this rank's (prompt, completion, rewards) rows
 
 
-def grpo_step(
+@dataclass
+class Sampled:
+    """One step's rollout on this rank, and the prompts it answers."""
+
+    rollout: Any
+    mine: list[Prompt]
+    seconds: float
+
+
+def sample(config: Config, learner, generator, prompts: list[Prompt], rng) -> Sampled:
+    """This rank's slice of the step's prompts, G completions each (no collective: the
+    asynchronous pipeline calls it from its thread)."""
+    rollout_cfg = config.rollout
+    mine = rank_slice(prompts, learner.data_parallel_rank, learner.capabilities.data_parallel_size)
+    start = time.perf_counter()
+    rollout = generator.generate(
+        [p.ids for p in mine],
+        rollout_cfg.group_size,
+        rollout_cfg.max_new_tokens,
+        rollout_cfg.temperature,
+        rng,
+    )
+    return Sampled(rollout, mine, time.perf_counter() - start)
+
+
+def train_on(
     config: Config,
     learner,
-    generator,
     inputs: JobInputs,
-    prompts: list[Prompt],
-    rng: torch.Generator,
+    sampled: Sampled,
     reference=None,
+    push: Callable[[], None] = lambda: None,
+    waited_s: float | None = None,
 ) -> StepResult:
-    """One GRPO step on this rank: rollout, rewards, update (in micro-batches), weight push.
+    """Rewards, update (in micro-batches) and `push` (the new weights out) for one rollout.
+
+    `waited_s`: how long the step waited for its rollout, when it was sampled ahead of it
+    (`rollout_s` is then the sampling's own time, spent alongside earlier updates).
 
     With a `reference` (a `ReferenceModel`, for `kl_to_ref_coeff`), its log-probs join each
     micro-batch (already the same within a tensor-parallel group) before its update; that
@@ -147,16 +177,9 @@ def grpo_step(
     from titan_learner.learner.batch import ATTENTION_MASK_KEY, REF_LOG_PROBS_KEY
     from titan_learner.learner.normalization import step_counts
 
-    rollout_cfg = config.rollout
-    group = rollout_cfg.group_size
+    group = config.rollout.group_size
     dp_group, device = learner.data_parallel_group, learner.device
-    mine = rank_slice(prompts, learner.data_parallel_rank, learner.capabilities.data_parallel_size)
-
-    start = time.perf_counter()
-    rollout = generator.generate(
-        [p.ids for p in mine], group, rollout_cfg.max_new_tokens, rollout_cfg.temperature, rng
-    )
-    rollout_s = time.perf_counter() - start
+    rollout, mine, rollout_s = sampled.rollout, sampled.mine, sampled.seconds
 
     start = time.perf_counter()
     texts, owners, scores = score_rollout(rollout, mine, group, inputs.tokenizer, inputs.rewards)
@@ -178,7 +201,7 @@ def grpo_step(
     update_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    sync_generator(learner, generator)
+    push()
     sync_s = time.perf_counter() - start
 
     all_rewards = gather_over(rewards, dp_group, device)
@@ -188,7 +211,8 @@ def grpo_step(
     lengths = gather_over(rollout.completion_lengths.float(), dp_group, device)
     tokens = gather_over(batch.get(ATTENTION_MASK_KEY).sum().reshape(1).float(), dp_group, device)
     errors = gather_over(torch.tensor([float(scores.errors)]), dp_group, device)
-    total_s = rollout_s + reward_s + update_s + sync_s
+    waited_s = rollout_s if waited_s is None else waited_s
+    total_s = waited_s + reward_s + update_s + sync_s  # this step's wall time
     metrics.update(
         reward_mean=float(all_rewards.mean()),
         reward_std=float(all_rewards.std()) if all_rewards.numel() > 1 else 0.0,
@@ -199,6 +223,7 @@ def grpo_step(
         response_length_mean=float(lengths.mean()),
         tokens_per_s=float(tokens.sum()) / total_s,
         rollout_s=rollout_s,
+        rollout_wait_s=waited_s,
         reward_s=reward_s,
         update_s=update_s,
         weight_sync_s=sync_s,
@@ -256,6 +281,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.resume import check_resume, touches_hyperparameters
+    from titan_learner.job.rollouts import make_rollouts, sync_points
     from titan_learner.job.telemetry import Telemetry
     from titan_learner.learner.titan import TitanLearner
 
@@ -319,42 +345,68 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
             extra={"data": loader.state_dict()},
         )
 
+    def take_sample(prompts: list[Prompt], step: int) -> Sampled:
+        rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
+        return sample(config, learner, generator, prompts, rng)
+
+    rollouts = None
     try:
         with PreemptionGuard() as preemption:
             if learner.step == 0:
                 evaluation(0)
+            rollouts = make_rollouts(config, learner, generator, loader, take_sample)
+            is_sync_point = sync_points(config)
             started = time.perf_counter()
             for step in range(learner.step + 1, config.run.steps + 1):
-                rng = sampling_rng(
-                    config.run.seed, step, learner.data_parallel_rank, learner.device
+                taken = rollouts.take(step)
+                result = train_on(
+                    config,
+                    learner,
+                    inputs,
+                    taken.sampled,
+                    reference,
+                    push=lambda step=step: rollouts.push(step),
+                    waited_s=taken.waited_s,
                 )
-                result = grpo_step(
-                    config, learner, generator, inputs, loader.next_step(), rng, reference
+                if taken.staleness:  # the learner's weights moved on: not an engine mismatch
+                    for key in ("logprob_mismatch", "logprob_mismatch_max"):
+                        result.metrics.pop(key, None)
+                result.metrics["epoch"] = taken.epoch
+                result.metrics["staleness_mean"] = result.metrics["staleness_max"] = float(
+                    taken.staleness
                 )
-                result.metrics["epoch"] = loader.epoch
                 result.metrics["elapsed_s"] = time.perf_counter() - started  # this run's steps
                 history.append(result.metrics)
                 telemetry.log(step, result.metrics)
                 if config.run.log_samples_every and step % config.run.log_samples_every == 0:
                     telemetry.samples(step, result.samples)
-                if (every and step % every == 0) or step == config.run.steps:
-                    evaluation(step)
-                if preemption.stop_now(learner.device):
-                    wait_for_pending_save()
-                    if latest(checkpoints) is None or latest(checkpoints).name != f"step-{step}":
-                        save(asynchronous=False)
-                    say(
-                        f"preempted (SIGTERM): saved step {step} to {checkpoints}; continue with --resume",
-                        flush=True,
-                    )
+                stop = preemption.stop_now(learner.device)
+                with rollouts.drained(step, sync=stop or is_sync_point(step)):
+                    if (every and step % every == 0) or step == config.run.steps:
+                        evaluation(step)
+                    if stop:
+                        wait_for_pending_save()
+                        if (
+                            latest(checkpoints) is None
+                            or latest(checkpoints).name != f"step-{step}"
+                        ):
+                            save(asynchronous=False)
+                        say(
+                            f"preempted (SIGTERM): saved step {step} to {checkpoints}; "
+                            "continue with --resume",
+                            flush=True,
+                        )
+                    elif config.checkpoint.interval and step % config.checkpoint.interval == 0:
+                        save(asynchronous=config.checkpoint.async_save)
+                if stop:
                     break
-                if config.checkpoint.interval and step % config.checkpoint.interval == 0:
-                    save(asynchronous=config.checkpoint.async_save)
             wait_for_pending_save()
     except BaseException:
         close_quietly(telemetry)  # the plot must never hide the real error
         raise
     finally:
+        if rollouts is not None:
+            rollouts.close()
         if callable(getattr(generator, "close", None)):
             generator.close()  # a vLLM engine's processes
     plot = telemetry.close()

@@ -1,0 +1,72 @@
+"""The GRPO job with `[rollout] max_off_policy_steps = 1`: rollouts sampled one version ahead
+in a thread, staleness reported, a resume exact, a generator failure one clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.test_train import short_run, training_lines
+from tests.support.worlds import run_world
+
+K1 = ["rollout.max_off_policy_steps=1", "checkpoint.interval=2", "eval.every_steps=0"]
+
+
+def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
+    return {
+        "whole": short_run(rank, f"{root}/whole", 5, K1),
+        "first": short_run(rank, f"{root}/cut", 2, K1),
+        "resumed": short_run(rank, f"{root}/cut", 5, K1, resume=True),
+    }
+
+
+@pytest.mark.slow
+def test_one_step_off_policy_on_two_ranks_resumes_exactly(tmp_path):
+    """dp_shard=2, k=1, checkpoints every 2 steps: the pipeline drains after each, so a run
+    cut at step 2 and resumed repeats the uninterrupted run step for step."""
+    ranks = run_world(2, interrupted_and_whole, str(tmp_path))
+    runs = ranks[0]
+    whole = runs["whole"]
+    # step 1 on-policy; then one version behind, on-policy again after each checkpoint
+    assert [m["staleness_max"] for m in whole] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert [m["staleness_mean"] for m in whole] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    # the engine mismatch is only reported where the learner holds the sampling weights
+    assert ["logprob_mismatch" in m for m in whole] == [True, False, True, False, True]
+    assert all(m["logprob_mismatch"] < 1e-5 for m in whole if "logprob_mismatch" in m)
+    assert all(m["kl_approx"] != 0.0 for m in whole[1::2]), "a stale batch has moved on"
+    for got, want in zip(runs["first"] + runs["resumed"], whole, strict=True):
+        for key in ("reward_mean", "loss_objective", "grad_norm", "staleness_max"):
+            assert got[key] == want[key], key
+    for other, mine in zip(ranks[1]["whole"], whole, strict=True):  # metrics are global
+        assert other["reward_mean"] == mine["reward_mean"]
+    assert [line["step"] for line in training_lines(tmp_path / "cut")] == [1, 2, 3, 4, 5]
+
+
+def failing_generator_run(rank: int, root: str) -> str:
+    """The generator's third training rollout (group size 8; evaluation samples 4) raises, in
+    the pipeline's thread, while the learner trains on step 2."""
+    from titan_learner.rollout.hf import HFGenerator
+
+    calls = {"n": 0}
+    generate = HFGenerator.generate
+
+    def failing(self, prompts, group_size, *args, **kwargs):
+        calls["n"] += group_size == 8
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return generate(self, prompts, group_size, *args, **kwargs)
+
+    HFGenerator.generate = failing
+    try:
+        short_run(rank, root, 6, ["rollout.max_off_policy_steps=1", "eval.every_steps=0"])
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_generator_failure_in_its_thread_ends_the_job_with_its_error(tmp_path):
+    [message] = run_world(1, failing_generator_run, str(tmp_path))
+    assert message == (
+        "GeneratorFailed: the rollout generator failed in its thread: RuntimeError: CUDA error: "
+        "an illegal memory access was encountered"
+    )
+    assert [line["step"] for line in training_lines(tmp_path)] == [1, 2]

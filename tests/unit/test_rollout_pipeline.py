@@ -1,0 +1,116 @@
+"""The rollout pipeline: which weights each step's rollout is sampled from, decided by the
+schedule and never by timing; a thread that fails ends the run with its error."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from titan_learner.rollout.pipeline import GeneratorFailed, RolloutPipeline, rollout_version
+
+
+def every(n: int):
+    return lambda step: step % n == 0
+
+
+def test_versions_lag_k_and_drain_after_sync_points():
+    versions = [rollout_version(t, 1, 0, every(3)) for t in range(1, 9)]
+    assert versions == [0, 0, 1, 3, 3, 4, 6, 6]
+    stale = [t - 1 - v for t, v in zip(range(1, 9), versions, strict=True)]
+    assert stale == [0, 1, 1, 0, 1, 1, 0, 1] and max(stale) <= 1
+    assert [rollout_version(t, 2, 0, every(100)) for t in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+    # a resumed run starts from its step: the first rollout is on-policy
+    assert [rollout_version(t, 1, 5, every(100)) for t in range(6, 9)] == [5, 5, 6]
+
+
+class FakeGenerator:
+    """Records which weights each rollout saw; sleeps like a generator would."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.version = 0
+        self.fail_at = fail_at
+        self.loads: list[int] = []
+
+    def load_weights(self, named, version: int) -> None:
+        assert named[0][1].item() == version, "the weights of another version were handed over"
+        self.version = version
+        self.loads.append(version)
+
+    def produce(self, step: int) -> int:
+        time.sleep(0.01)
+        if step == self.fail_at:
+            raise OSError("engine process died")
+        return self.version
+
+
+def run_steps(pipeline: RolloutPipeline, steps: range, is_sync, update_s: float = 0.0):
+    """The learner's side: take, 'train', publish (or load directly at sync points)."""
+    seen = []
+    for step in steps:
+        produced = pipeline.take(step)
+        seen.append((step, produced.version, produced.value))
+        time.sleep(update_s)
+        if is_sync(step):
+            pipeline.parked()
+            pipeline._load([("w", torch.tensor(float(step)))], step)  # the caller loads itself
+            pipeline.mark_loaded(step)
+        else:
+            pipeline.publish(step, [("w", torch.tensor(float(step)))])
+    return seen
+
+
+@pytest.mark.parametrize("update_s", [0.0, 0.03])  # a learner faster and slower than sampling
+def test_each_rollout_is_sampled_from_its_scheduled_version(update_s):
+    generator = FakeGenerator()
+    sync = every(4)
+    pipeline = RolloutPipeline(
+        generator.produce,
+        generator.load_weights,
+        off_policy_steps=1,
+        is_sync_point=sync,
+        start=0,
+        last_step=9,
+    )
+    try:
+        seen = run_steps(pipeline, range(1, 10), sync, update_s)
+    finally:
+        pipeline.close()
+    for step, version, sampled_with in seen:
+        assert version == rollout_version(step, 1, 0, sync) == sampled_with, step
+    assert threading.active_count() >= 1 and not pipeline._thread.is_alive()
+
+
+def test_a_failing_generator_ends_the_run_with_its_error_not_a_hang():
+    generator = FakeGenerator(fail_at=3)
+    pipeline = RolloutPipeline(
+        generator.produce,
+        generator.load_weights,
+        off_policy_steps=1,
+        is_sync_point=every(100),
+        start=0,
+        last_step=10,
+    )
+    start = time.perf_counter()
+    with pytest.raises(GeneratorFailed) as err:
+        run_steps(pipeline, range(1, 11), every(100))
+    assert str(err.value) == (
+        "the rollout generator failed in its thread: OSError: engine process died"
+    )
+    assert isinstance(err.value.__cause__, OSError)
+    pipeline.close()
+    assert time.perf_counter() - start < 10
+
+
+def test_off_policy_steps_must_be_positive():
+    with pytest.raises(ValueError, match="off_policy_steps must be >= 1, got 0"):
+        RolloutPipeline(
+            lambda step: step,
+            lambda named, version: None,
+            off_policy_steps=0,
+            is_sync_point=every(1),
+            start=0,
+            last_step=1,
+        )

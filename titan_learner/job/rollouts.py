@@ -1,0 +1,186 @@
+"""Where each step's rollout comes from: sampled in turn (k = 0) or ahead of the learner (k > 0).
+
+`[rollout] max_off_policy_steps = k`. With k = 0 a step samples, trains, then pushes the new
+weights into the generator: every batch is on-policy. With k > 0 a background thread samples
+the coming steps from weights at most k versions old while the learner trains
+(titan_learner.rollout.pipeline); the loop is the same for both, through `Rollouts`:
+
+    sampled = rollouts.take(step)            # this step's rollout, its staleness
+    train_on(..., push=lambda: rollouts.push(step))
+    with rollouts.drained(step, sync):       # evaluation, checkpoints: the generator holds
+        ...                                  # the weights of `step`, the data is at `step`
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from titan_learner.rollout.pipeline import RolloutPipeline
+from titan_learner.weights.sinks import StagingSink, push_weights
+
+if TYPE_CHECKING:
+    from titan_learner.config.schema import Config
+    from titan_learner.data.loader import PromptLoader
+    from titan_learner.job.grpo import Sampled
+
+Sample = Callable[[list, int], "Sampled"]
+"""`sample(prompts, step)`: this rank's rollout of a step's prompts (no collective)."""
+
+
+@dataclass
+class Taken:
+    sampled: Sampled
+    epoch: float
+    staleness: int
+    """Policy versions between the weights that sampled the batch and those it trains."""
+    waited_s: float
+    """How long the step waited for it (the whole sampling, when sampled in turn)."""
+
+
+def sync_points(config: Config) -> Callable[[int], bool]:
+    """The steps after which the pipeline drains: checkpoints, evaluations, the last step.
+    Fixed by the config, so a resumed run drains where the uninterrupted one did."""
+    every, interval, last = config.eval.every_steps, config.checkpoint.interval, config.run.steps
+
+    def is_sync_point(step: int) -> bool:
+        return (
+            step == last
+            or bool(every and step % every == 0)
+            or bool(interval and step % interval == 0)
+        )
+
+    return is_sync_point
+
+
+class Rollouts:
+    """Synchronous rollouts (k = 0): sample, train, push, in turn."""
+
+    def __init__(self, learner, generator, loader: PromptLoader, sample: Sample) -> None:
+        self.learner, self.generator, self.loader, self.sample = learner, generator, loader, sample
+
+    def take(self, step: int) -> Taken:
+        sampled = self.sample(self.loader.next_step(), step)
+        return Taken(sampled, self.loader.epoch, 0, sampled.seconds)
+
+    def push(self, step: int) -> None:
+        from titan_learner.job.grpo import sync_generator
+
+        sync_generator(self.learner, self.generator)
+
+    @contextmanager
+    def drained(self, step: int, sync: bool) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+class HandoffSink(StagingSink):
+    """A verified export, copied (the learner's tensors change at the next update) and handed
+    to a callable: the pipeline's thread loads it before the rollout that needs it."""
+
+    def __init__(self, hand_over: Callable[[list, int], None]) -> None:
+        super().__init__()
+        self.hand_over = hand_over
+
+    def apply(self, named: list, version: int) -> None:
+        self.hand_over([(name, tensor.clone()) for name, tensor in named], version)
+
+
+class OffPolicyRollouts(Rollouts):
+    """Rollouts sampled ahead by a thread, at most k policy versions old (k > 0)."""
+
+    def __init__(
+        self,
+        learner,
+        generator,
+        loader: PromptLoader,
+        sample: Sample,
+        *,
+        off_policy_steps: int,
+        is_sync_point: Callable[[int], bool],
+        last_step: int,
+    ) -> None:
+        super().__init__(learner, generator, loader, sample)
+        self._threads = None
+        if learner.device.type == "cpu":  # the cores are shared: half to each side
+            self._threads = max(1, torch.get_num_threads() // 2)
+            torch.set_num_threads(self._threads)
+        self._before: dict[int, dict[str, int]] = {}  # step -> data position before its prompts
+        self._epochs: dict[int, float] = {}
+        self.is_sync_point = is_sync_point
+        self.pipeline = RolloutPipeline(
+            self._produce,
+            generator.load_weights,
+            off_policy_steps=off_policy_steps,
+            is_sync_point=is_sync_point,
+            start=learner.step,
+            last_step=last_step,
+        )
+
+    def _produce(self, step: int) -> Sampled:
+        """In the pipeline's thread: the step's prompts (the data moves only here) and rollout."""
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # per thread, for OpenMP
+        self._before[step] = self.loader.state_dict()
+        prompts = self.loader.next_step()
+        self._epochs[step] = self.loader.epoch
+        return self.sample(prompts, step)
+
+    def take(self, step: int) -> Taken:
+        start = time.perf_counter()
+        produced = self.pipeline.take(step)
+        waited = time.perf_counter() - start
+        self._before.pop(step, None)
+        staleness = step - 1 - produced.version
+        return Taken(produced.value, self._epochs.pop(step), staleness, waited)
+
+    def push(self, step: int) -> None:
+        """After the update of `step`: its weights to the thread, unless the pipeline drains
+        here (then `drained` loads them straight into the parked generator)."""
+        if self.is_sync_point(step):
+            return
+        from titan_learner.job.grpo import BUCKET_BYTES
+
+        sink = HandoffSink(lambda named, _: self.pipeline.publish(step, named))
+        push_weights(self.learner, sink, BUCKET_BYTES, cpu_offload=False, checksum=False)
+
+    @contextmanager
+    def drained(self, step: int, sync: bool) -> Iterator[None]:
+        """At a sync point (or a preemption): the thread parked, the generator holding the
+        weights of `step`, the data at `step`; the thread resumes after the block."""
+        if not sync:
+            yield
+            return
+        from titan_learner.job.grpo import sync_generator
+
+        self.pipeline.parked()
+        if not self.is_sync_point(step):  # a preemption: the thread may be a step ahead
+            self.loader.load_state_dict(self._before.get(step + 1, self.loader.state_dict()))
+        sync_generator(self.learner, self.generator)
+        yield
+        self.pipeline.mark_loaded(step)
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def make_rollouts(config: Config, learner, generator, loader: PromptLoader, sample: Sample):
+    k = config.rollout.max_off_policy_steps
+    if k == 0:
+        return Rollouts(learner, generator, loader, sample)
+    return OffPolicyRollouts(
+        learner,
+        generator,
+        loader,
+        sample,
+        off_policy_steps=k,
+        is_sync_point=sync_points(config),
+        last_step=config.run.steps,
+    )
