@@ -47,7 +47,13 @@ def vllm_job(rank: int, root: str) -> dict:
     history = run(config_from_dict(tables, source))
     tables["run"]["steps"] = 4
     resumed = run(config_from_dict(tables, source), resume=True)
-    return {"history": history, "resumed": resumed}
+    # One step off-policy: the engine samples in the pipeline's thread while the learner trains.
+    tables["run"].update(steps=3, output_dir=str(root / "ahead"))
+    tables["rollout"]["max_off_policy_steps"] = 1
+    tables["eval"]["every_steps"] = 0
+    tables["checkpoint"]["interval"] = 0
+    ahead = run(config_from_dict(tables, source))
+    return {"history": history, "resumed": resumed, "ahead": ahead}
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +84,13 @@ def test_a_resumed_vllm_job_repeats_the_step_it_had_not_saved(job):
     assert [int(m["policy_version"]) for m in resumed] == [3, 4]
     for key in ("reward_mean", "response_length_mean", "loss_objective", "grad_norm"):
         assert resumed[0][key] == pytest.approx(first[2][key], rel=1e-5, abs=1e-7), key
+
+
+def test_the_engine_samples_one_version_ahead_in_the_pipeline_thread(job):
+    _, results = job
+    ahead = results["ahead"]
+    assert [m["staleness_max"] for m in ahead] == [0.0, 1.0, 1.0]
+    assert [int(m["policy_version"]) for m in ahead] == [1, 2, 3]
+    assert ahead[0]["logprob_mismatch_max"] < 1e-5  # on-policy: the engine's own weights
+    assert all("logprob_mismatch" not in m for m in ahead[1:])  # stale: the learner moved on
+    assert all(abs(m["kl_approx"]) > 1e-6 for m in ahead[1:])
