@@ -31,27 +31,48 @@ ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "configs" / "toy_grpo.toml"
 
 
-def run_job(target: float, steps: int, seed: int) -> dict:
+def run_job(target: float, steps: int, seed: int, overrides: tuple[str, ...] = ()) -> dict:
+    """The job on the embedded default: the step reaching `target`, wall time, phases.
+
+    `rollout` is the time steps waited for their rollouts: all of the sampling when it runs in
+    turn, what the learner did not hide when it runs ahead (max_off_policy_steps > 0)."""
     from titan_learner.config.toml import load_config
     from titan_learner.job.grpo import run
 
     with tempfile.TemporaryDirectory() as scratch:
-        overrides = [
+        settings = [
             f'run.output_dir="{scratch}/run"',
             f"run.steps={steps}",
             f"run.seed={seed}",
             "data.eval_files=[]",
+            *overrides,
         ]
-        history = run(load_config(TOY, overrides))
+        history = run(load_config(TOY, settings))
     reached = next((i for i, m in enumerate(history) if m["reward_mean"] >= target), None)
     upto = history[: (reached if reached is not None else len(history) - 1) + 1]
     phases = {
-        name: sum(m[f"{name}_s"] for m in upto)
-        for name in ("rollout", "reward", "update", "weight_sync")
+        name: sum(m[key] for m in upto)
+        for name, key in (
+            ("rollout", "rollout_wait_s"),
+            ("reward", "reward_s"),
+            ("update", "update_s"),
+            ("weight_sync", "weight_sync_s"),
+        )
     }
     wall = upto[-1]["elapsed_s"]
     phases["logging+checkpoints"] = wall - sum(phases.values())
-    return {"step": None if reached is None else reached + 1, "wall_s": wall, "phases": phases}
+    tokens = sum(m["tokens_per_s"] * step_seconds(m) for m in upto)
+    return {
+        "step": None if reached is None else reached + 1,
+        "wall_s": wall,
+        "phases": phases,
+        "tokens_per_s": tokens / wall,
+    }
+
+
+def step_seconds(metrics: dict) -> float:
+    """A step's wall time as its tokens_per_s counts it."""
+    return sum(metrics[k] for k in ("rollout_wait_s", "reward_s", "update_s", "weight_sync_s"))
 
 
 class PlainGRPO:
