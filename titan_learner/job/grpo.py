@@ -401,12 +401,13 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                 if stop:
                     break
             wait_for_pending_save()
+            rollouts.close()
     except BaseException:
+        if rollouts is not None:
+            rollouts.close(wait=False)  # an error or Ctrl-C: not after the rollout in flight
         close_quietly(telemetry)  # the plot must never hide the real error
         raise
     finally:
-        if rollouts is not None:
-            rollouts.close()
         if callable(getattr(generator, "close", None)):
             generator.close()  # a vLLM engine's processes
     plot = telemetry.close()

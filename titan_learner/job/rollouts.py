@@ -77,7 +77,7 @@ class Rollouts:
     def drained(self, step: int, sync: bool) -> Iterator[None]:
         yield
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 
@@ -167,8 +167,8 @@ class OffPolicyRollouts(Rollouts):
         yield
         self.pipeline.mark_loaded(step)
 
-    def close(self) -> None:
-        self.pipeline.close()
+    def close(self, wait: bool = True) -> None:
+        self.pipeline.close(wait)
 
 
 def make_rollouts(config: Config, learner, generator, loader: PromptLoader, sample: Sample):

@@ -128,11 +128,14 @@ class RolloutPipeline:
             self._loaded = version
             self._changed.notify_all()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop after the rollout in flight; wait=False returns at once (the thread is a daemon:
+        an error or an interrupt must not wait for a rollout nobody will train on)."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        self._thread.join()
+        if wait:
+            self._thread.join()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
