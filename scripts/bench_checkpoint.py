@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from titan_learner import checkpoint
-from titan_learner.checkpoint.integrity import CHECKSUMS, write_checksums
+from titan_learner.checkpoint.integrity import CHECKSUMS, hash_records
 from titan_learner.checkpoint.layout import latest
 from titan_learner.checkpoint.safe_read import read_metadata
 from titan_learner.cli import add_config_arguments
@@ -126,7 +126,7 @@ def fresh(path: Path) -> Path:
 def rehash(step_dir: Path) -> None:
     """What a save adds for integrity: rank 0 hashes every record at commit (the others wait)."""
     if dist.get_rank() == 0:
-        write_checksums(step_dir, read_metadata(step_dir))
+        hash_records(step_dir, read_metadata(step_dir))
 
 
 def measure(learner: TitanLearner, base: Path, repeats: int) -> dict[str, list[float]]:

@@ -89,6 +89,22 @@ def agree(group: dist.ProcessGroup | None, operation: str, error: BaseException 
         raise CheckpointError(f"{operation} failed on rank {rank}: {report}")
 
 
+def same_error(group: dist.ProcessGroup | None, error: CheckpointError | None) -> None:
+    """Raise the lowest failing rank's CheckpointError on every rank, its message unchanged
+    (a damaged record names its own file), or nothing when no rank failed."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    reports: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, None if error is None else str(error), group=group)
+    failed = [report for report in reports if report is not None]
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(failed[0])
+
+
 def everywhere(group: dist.ProcessGroup | None, operation: str, fn: Callable[[], T]) -> T:
     """Run `fn` on this rank; raise on every rank if it raised on any."""
     try:
