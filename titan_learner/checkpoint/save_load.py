@@ -65,7 +65,7 @@ class Checkpointable(Protocol):
 
     step: int
 
-    def checkpoint(self) -> dict[str, Any]: ...
+    def checkpoint(self, *, clone: bool = True) -> dict[str, Any]: ...
 
     def load_checkpoint(self, state: dict[str, Any]) -> None: ...
 
@@ -126,13 +126,14 @@ def _rank_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-def _state(learner: Checkpointable) -> dict[str, Any]:
+def _state(learner: Checkpointable, clone: bool) -> dict[str, Any]:
     """`learner.checkpoint()` plus this rank's RNG states, under a key only this rank writes.
 
     RNG states differ per rank; DCP would keep one copy of a key every rank saves, so each rank
-    saves `rng.rank<r>.<device>`.
+    saves `rng.rank<r>.<device>`. clone=False (a synchronous save: training waits for it)
+    writes the live tensors, without copying the state first.
     """
-    state = learner.checkpoint()
+    state = learner.checkpoint(clone=clone)
     for reserved in (RNG_KEY, EXTRA_KEY):
         if reserved in state:
             raise CheckpointError(
@@ -149,12 +150,13 @@ def _saved_ranks(metadata: Metadata) -> set[str]:
 
 
 def _template(learner: Checkpointable, metadata: Metadata) -> dict[str, Any]:
-    """What to load into: the learner's own state (right layout, right shapes) and RNG slots.
+    """What to load into: the learner's own live state (right layout, right shapes; loaded in
+    place, so `load_checkpoint` copies nothing more) and RNG slots.
 
     RNG states are restored only when the checkpoint was saved by a world of the same size:
     otherwise ranks do not correspond and the state is left as it is (with a warning).
     """
-    state = learner.checkpoint()
+    state = learner.checkpoint(clone=False)
     optimizer_keys = [
         key.removeprefix("optimizer.")
         for key in metadata.state_dict_metadata
@@ -232,7 +234,7 @@ def save(
     group = checkpoint_group(timeout)
     join(group, timeout, operation)
     on_rank0(group, operation, lambda: prepare(root, step))
-    state = _state(learner)
+    state = _state(learner, clone=asynchronous)
     if extra:
         state[EXTRA_KEY] = extra
     writer = RawWriter(tmp_dir(root, step))
