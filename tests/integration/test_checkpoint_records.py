@@ -1,5 +1,6 @@
 """Tensor records are raw bytes, hashed as they are written (checkpoint.records), and a
-checkpoint written before them, with torch.save records, still resumes exactly, verified."""
+checkpoint written before them (torch.save records, optimizer settings packed one pair each)
+still resumes exactly, verified."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from titan_learner.checkpoint.layout import METADATA, tmp_dir
 from titan_learner.checkpoint.records import ALIGNMENT, RAW
 from titan_learner.checkpoint.safe_read import read_metadata
 from titan_learner.checkpoint.save_load import load, save
+from titan_learner.learner import contract
 from titan_learner.learner.local import LocalLearner
 
 
@@ -79,6 +81,16 @@ def test_torch_refuses_raw_records_instead_of_misreading_them(tmp_path):
     assert str(cause) == f"Unknown extension name='{RAW.split('/')[0]}'"
 
 
+def pack_as_pairs(flat: dict) -> dict:
+    """How the optimizer settings were packed before they were grouped: one pair each."""
+    prefix = "param_groups."
+    packed = {k: v for k, v in flat.items() if not k.startswith(prefix)}
+    packed["param_groups"] = [
+        (k.removeprefix(prefix), v) for k, v in flat.items() if k.startswith(prefix)
+    ]
+    return packed
+
+
 def commit_with_rehashed_checksums(root: Path, step: int, keep_latest_k: int) -> Path:
     """The commit of saves before raw records: every record hashed again from its file."""
     staged = tmp_dir(root, step)
@@ -92,6 +104,7 @@ def test_a_checkpoint_of_torch_save_records_resumes_exactly_and_verified(tmp_pat
     with monkeypatch.context() as patch:  # how save() wrote before raw records
         patch.setattr(save_load, "RawWriter", FileSystemWriter)
         patch.setattr(save_load, "commit", commit_with_rehashed_checksums)
+        patch.setattr(contract, "pack_param_groups", pack_as_pairs)
         path = save(learner, tmp_path).wait()
     metadata = read_metadata(path)
     assert not any(info.transform_descriptors for info in metadata.storage_data.values())
