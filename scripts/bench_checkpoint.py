@@ -20,7 +20,8 @@ What is measured, per rank (the slowest rank counts), median of `--repeats`:
   could run after it returns: the state is cloned first), as a ratio to the synchronous save,
   and when it completes.
 - checksums: what hashing costs a save (xxh3 of this rank's records in memory, as the writer
-  does), and a verified load against an unverified one (the same step without checksums.json).
+  does), and a verified load against an unverified one (the same step, its checksums.json
+  moved aside; the two loads take turns going first).
 
 Throughput is the state's tensor bytes over seconds; a ratio above 1 means faster than
 torch. Files go to `--dir` (default: a temporary directory), on the same file system for both;
@@ -140,27 +141,38 @@ def hash_state(local: dict[str, Any]) -> None:
             hash_bytes(records.tensor_bytes(value))
 
 
+def load_unverified(learner: TitanLearner, root: Path) -> None:
+    """The same step loaded without its checksums.json (moved aside, then back)."""
+    step = latest(root)
+    hidden = step.parent / f"{CHECKSUMS}.hidden"
+    if dist.get_rank() == 0:
+        (step / CHECKSUMS).rename(hidden)
+    dist.barrier()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*no checksums.json")
+            checkpoint.load(learner, root)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            hidden.rename(step / CHECKSUMS)
+
+
 def measure(learner: TitanLearner, base: Path, repeats: int) -> dict[str, list[float]]:
     rank = dist.get_rank()
     local = local_tensors(learner.checkpoint())
     keys = ("save", "torch.save", "load", "torch.load", "async", "async_done")
     times: dict[str, list[float]] = {k: [] for k in (*keys, "checksums", "load unverified")}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         root = fresh(base / "dcp")
         times["save"].append(timed(lambda root=root: checkpoint.save(learner, root).wait()))
-        times["load"].append(timed(lambda root=root: checkpoint.load(learner, root)))
+        loads = {
+            "load": lambda root=root: checkpoint.load(learner, root),
+            "load unverified": lambda root=root: load_unverified(learner, root),
+        }
+        for kind in sorted(loads, reverse=bool(repeat % 2)):  # either one first, by turns
+            times[kind].append(timed(loads[kind]))
         times["checksums"].append(timed(lambda: hash_state(local)))
-        unverified = fresh(base / "unverified")
-        if rank == 0:  # the same step without its checksums: loaded unverified (with a warning)
-            shutil.copytree(latest(root), unverified / "step-0")
-            (unverified / "step-0" / CHECKSUMS).unlink()
-            (unverified / "latest").write_text("step-0\n")
-        dist.barrier()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*no checksums.json")
-            times["load unverified"].append(
-                timed(lambda root=unverified: checkpoint.load(learner, root))
-            )
         file = fresh(base / "torch") / f"rank{rank}.pt"
         times["torch.save"].append(timed(lambda file=file: torch_save(local, file)))
         torch.load(file, weights_only=True)  # untimed: the timed one reuses its memory
@@ -185,7 +197,7 @@ def report(times: dict[str, list[float]], nbytes: int, learner: TitanLearner, ar
         f"command: {shlex.join([sys.executable, *sys.argv])}",
         f"model: {params / 1e6:.2f} M params; state per rank {mb:.1f} MB (weights + optimizer); "
         f"world {caps.world_size} (dp={caps.data_parallel_size} x tp={caps.tensor_parallel_size})"
-        f"; median of {args.repeats}, slowest rank",
+        f"; {torch.get_num_threads()} torch thread(s); median of {args.repeats}, slowest rank",
         f"{'':12}{'seconds':>10}{'MB/s':>10}{'vs torch':>10}",
     ]
     for ours, theirs in (("save", "torch.save"), ("load", "torch.load")):
