@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.support.checkpoint_scenarios import snapshot, train
 from tests.support.models import batches, tiny_config
-from titan_learner.checkpoint import layout, save_load
+from titan_learner.checkpoint import layout, safe_read, save_load
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.integrity import (
     CHECKSUMS,
@@ -121,5 +121,36 @@ def test_a_checkpoint_of_torch_save_records_resumes_exactly_and_verified(tmp_pat
     data_bytes = bytearray(shard.read_bytes())
     data_bytes[info.offset + info.length // 2] ^= 0x01
     shard.write_bytes(bytes(data_bytes))
+    with pytest.raises(CheckpointError, match=rf"record '{index.fqn}' in __0_0\.distcp is corrupt"):
+        load(LocalLearner(tiny_config()), path)
+
+
+def test_records_are_hashed_and_copied_from_a_mapping_of_the_file(tmp_path, monkeypatch):
+    learner = trained(1)
+    save(learner, tmp_path).wait()
+
+    def no_reading(*args):
+        raise AssertionError("records were read into memory, not mapped")
+
+    monkeypatch.setattr(safe_read, "_read_ranges", no_reading)
+    resumed = LocalLearner(tiny_config())
+    load(resumed, tmp_path)
+    assert_same_state(snapshot(resumed)["weights"], snapshot(learner)["weights"])
+
+
+def test_without_populate_read_the_records_are_read_and_still_verified(tmp_path, monkeypatch):
+    """A kernel before 5.14 refuses MADV_POPULATE_READ (EINVAL): records are read instead."""
+    learner = trained(1)
+    path = save(learner, tmp_path).wait()
+    monkeypatch.setattr(safe_read, "_MADV_POPULATE_READ", 0x7FFF)  # no kernel knows it: EINVAL
+    resumed = LocalLearner(tiny_config())
+    load(resumed, tmp_path)
+    assert_same_state(snapshot(resumed)["weights"], snapshot(learner)["weights"])
+    metadata = read_metadata(path)
+    index, info = next((i, v) for i, v in metadata.storage_data.items() if v.transform_descriptors)
+    shard = path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"record '{index.fqn}' in __0_0\.distcp is corrupt"):
         load(LocalLearner(tiny_config()), path)

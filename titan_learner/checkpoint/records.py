@@ -3,7 +3,7 @@
 DCP's `FileSystemWriter` wraps every tensor record in a torch.save zip archive of its own, and
 `FileSystemReader` decodes each with torch.load: at 7 M parameters most of a save and a load was
 that, not the bytes. `RawWriter` writes a tensor record as the shard's contiguous bytes (C
-order) instead. Nothing else is needed to read it back: its dtype and shape are DCP's own
+order, little-endian) instead. Nothing else is needed to read it back: its dtype and shape are DCP's own
 metadata (`TensorStorageMetadata.properties.dtype`, the saved chunk's sizes).
 
 The format is marked per record, where DCP keeps how a record's bytes were written: the
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def _record_bytes(item: WriteItem, data: Any) -> tuple[memoryview, list[str] | None]:
     if item.type == WriteItemType.BYTE_IO:
         return data.getbuffer(), None  # DCP's torch.save of a plain value, as DCP writes it
+    if sys.byteorder != "little":  # raw records are little-endian: DCP's torch.save record
+        archive = io.BytesIO()
+        torch.save(data.detach().cpu().clone(), archive)
+        return archive.getbuffer(), None
     chunk, dtype = item.tensor_data.chunk.sizes, item.tensor_data.properties.dtype
     if tuple(data.shape) != tuple(chunk) or data.dtype != dtype:
         raise CheckpointError(  # the reader takes shape and dtype from the metadata
@@ -146,6 +151,10 @@ def decode_tensor(
         raise CheckpointError(
             f"record '{index.fqn}' in {info.relative_path} has {data.numel()} bytes; "
             f"{dtype} {tuple(shape)} needs {expected}"
+        )
+    if sys.byteorder != "little":
+        raise CheckpointError(
+            f"record '{index.fqn}': raw records are little-endian, this machine is not"
         )
     if data.storage_offset() % dtype.itemsize:  # not written by RawWriter: align a copy
         data = data.clone()

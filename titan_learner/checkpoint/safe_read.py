@@ -12,6 +12,7 @@ DCP alone does not guarantee this in torch 2.13:
 
 from __future__ import annotations
 
+import errno
 import io
 import mmap
 import os
@@ -119,6 +120,28 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+_CANNOT_MAP = (errno.EINVAL, errno.ENODEV, errno.EOPNOTSUPP)  # an old kernel, a file system
+
+
+def _read_ranges(file: Any, size: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    data = torch.empty(size, dtype=torch.uint8)  # pages outside `ranges` are never touched
+    view = memoryview(data.numpy())
+    for offset, length in ranges:
+        file.seek(offset)
+        if file.readinto(view[offset : offset + length]) != length:
+            raise OSError(f"{Path(file.name).name} ends inside a record at byte {offset}")
+    return data
+
+
+def _map_ranges(file: Any, size: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    mapping = mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ)
+    for offset, length in ranges:
+        start = offset - offset % mmap.PAGESIZE
+        if length:
+            mapping.madvise(_MADV_POPULATE_READ, start, offset + length - start)
+    with warnings.catch_warnings():  # it is only read: copied from, hashed, unpickled
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def _file_bytes(path: Path, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -127,29 +150,20 @@ def _file_bytes(path: Path, ranges: list[tuple[int, int]]) -> torch.Tensor:
     straight from the page cache, never first into a buffer of their own.
 
     MADV_POPULATE_READ reads the ranges in up front, so a disk error or a file shorter than
-    its records is an OSError here, not a SIGBUS later. Elsewhere the ranges are read into
-    memory.
+    its records is an OSError here, not a SIGBUS later. Where that or the mapping is not
+    available (not Linux, a kernel before 5.14), the ranges are read into memory.
     """
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
-        if sys.platform != "linux":
-            data = torch.empty(size, dtype=torch.uint8)  # pages outside `ranges` stay untouched
-            view = memoryview(data.numpy())
-            for offset, length in ranges:
-                file.seek(offset)
-                if file.readinto(view[offset : offset + length]) != length:
-                    raise OSError(f"{path.name} ends inside a record at byte {offset}")
-            return data
-        mapping = mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ)
-    for offset, length in ranges:
-        start = offset - offset % mmap.PAGESIZE
-        if length:
-            mapping.madvise(_MADV_POPULATE_READ, start, offset + length - start)
-    with warnings.catch_warnings():  # it is only read: copied from, hashed, unpickled
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        if sys.platform == "linux":
+            try:
+                return _map_ranges(file, size, ranges)
+            except OSError as err:
+                if err.errno not in _CANNOT_MAP:
+                    raise
+        return _read_ranges(file, size, ranges)
 
 
 class SafeReader(FileSystemReader):
