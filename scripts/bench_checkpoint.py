@@ -9,23 +9,34 @@ One update runs first so the optimizer moments exist.
 
 What is measured, per rank (the slowest rank counts), median of `--repeats`:
 
-- save: `checkpoint.save(learner, dir).wait()`: `Learner.checkpoint()` (clones), DCP's write
-  of this rank's shards with fsync, rank 0's commit (rename, `latest`).
+- save: `checkpoint.save(learner, dir).wait()`: DCP's write of this rank's shards (raw tensor
+  records, each hashed as it is written) with fsync, `.metadata` and `checksums.json`, rank 0's
+  commit (rename, `latest`).
 - torch.save: the same state (this rank's local shards, already composed) into one file, fsync.
-- load: `checkpoint.load(learner, dir)`: metadata checks, DCP's read into the learner's own
-  layout, `Learner.load_checkpoint`.
-- torch.load: that one file back (`weights_only=True`).
+- load: `checkpoint.load(learner, dir)`: metadata checks, DCP's read (every record verified)
+  into the learner's own tensors, `Learner.load_checkpoint`.
+- torch.load: that one file back (`weights_only=True`), timed right after an untimed one.
 - async save: how long `checkpoint.save(..., asynchronous=True)` blocks the caller (training
-  could run after it returns), as a ratio to the synchronous save, and when it completes.
+  could run after it returns: the state is cloned first), as a ratio to the synchronous save,
+  and when it completes.
+- checksums: what hashing costs a save (xxh3 of this rank's records in memory, as the writer
+  does), and a verified load against an unverified one (the same step, its checksums.json
+  moved aside; the two loads take turns going first).
 
 Throughput is the state's tensor bytes over seconds; a ratio above 1 means faster than
 torch. Files go to `--dir` (default: a temporary directory), on the same file system for both;
 the page cache is warm for both kinds of read.
+
+glibc is told to keep freed memory for reuse (`steady_allocator`). By default it hands large
+blocks back to the kernel and the next allocation pays a page fault per 4 KiB, so a timing
+depended on what ran before it: the same torch.load took 19 or 45 ms, and an asynchronous
+save's clone 0.07 or 0.15 s, by what else the process had allocated and freed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shlex
 import shutil
@@ -42,9 +53,9 @@ import torch
 import torch.distributed as dist
 
 from titan_learner import checkpoint
-from titan_learner.checkpoint.integrity import CHECKSUMS, write_checksums
+from titan_learner.checkpoint import records
+from titan_learner.checkpoint.integrity import CHECKSUMS, hash_bytes
 from titan_learner.checkpoint.layout import latest
-from titan_learner.checkpoint.safe_read import read_metadata
 from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
@@ -123,10 +134,28 @@ def fresh(path: Path) -> Path:
     return path
 
 
-def rehash(step_dir: Path) -> None:
-    """What a save adds for integrity: rank 0 hashes every record at commit (the others wait)."""
+def hash_state(local: dict[str, Any]) -> None:
+    """What a save adds for integrity: xxh3 of every tensor record's bytes, in memory."""
+    for value in local.values():
+        if isinstance(value, torch.Tensor):
+            hash_bytes(records.tensor_bytes(value))
+
+
+def load_unverified(learner: TitanLearner, root: Path) -> None:
+    """The same step loaded without its checksums.json (moved aside, then back)."""
+    step = latest(root)
+    hidden = step.parent / f"{CHECKSUMS}.hidden"
     if dist.get_rank() == 0:
-        write_checksums(step_dir, read_metadata(step_dir))
+        (step / CHECKSUMS).rename(hidden)
+    dist.barrier()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*no checksums.json")
+            checkpoint.load(learner, root)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            hidden.rename(step / CHECKSUMS)
 
 
 def measure(learner: TitanLearner, base: Path, repeats: int) -> dict[str, list[float]]:
@@ -134,24 +163,19 @@ def measure(learner: TitanLearner, base: Path, repeats: int) -> dict[str, list[f
     local = local_tensors(learner.checkpoint())
     keys = ("save", "torch.save", "load", "torch.load", "async", "async_done")
     times: dict[str, list[float]] = {k: [] for k in (*keys, "checksums", "load unverified")}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         root = fresh(base / "dcp")
         times["save"].append(timed(lambda root=root: checkpoint.save(learner, root).wait()))
-        times["load"].append(timed(lambda root=root: checkpoint.load(learner, root)))
-        times["checksums"].append(timed(lambda root=root: rehash(latest(root))))
-        unverified = fresh(base / "unverified")
-        if rank == 0:  # the same step without its checksums: loaded unverified (with a warning)
-            shutil.copytree(latest(root), unverified / "step-0")
-            (unverified / "step-0" / CHECKSUMS).unlink()
-            (unverified / "latest").write_text("step-0\n")
-        dist.barrier()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*no checksums.json")
-            times["load unverified"].append(
-                timed(lambda root=unverified: checkpoint.load(learner, root))
-            )
+        loads = {
+            "load": lambda root=root: checkpoint.load(learner, root),
+            "load unverified": lambda root=root: load_unverified(learner, root),
+        }
+        for kind in sorted(loads, reverse=bool(repeat % 2)):  # either one first, by turns
+            times[kind].append(timed(loads[kind]))
+        times["checksums"].append(timed(lambda: hash_state(local)))
         file = fresh(base / "torch") / f"rank{rank}.pt"
         times["torch.save"].append(timed(lambda file=file: torch_save(local, file)))
+        torch.load(file, weights_only=True)  # untimed: the timed one reuses its memory
         times["torch.load"].append(timed(lambda file=file: torch.load(file, weights_only=True)))
         root = fresh(base / "async")
         dist.barrier()
@@ -173,7 +197,7 @@ def report(times: dict[str, list[float]], nbytes: int, learner: TitanLearner, ar
         f"command: {shlex.join([sys.executable, *sys.argv])}",
         f"model: {params / 1e6:.2f} M params; state per rank {mb:.1f} MB (weights + optimizer); "
         f"world {caps.world_size} (dp={caps.data_parallel_size} x tp={caps.tensor_parallel_size})"
-        f"; median of {args.repeats}, slowest rank",
+        f"; {torch.get_num_threads()} torch thread(s); median of {args.repeats}, slowest rank",
         f"{'':12}{'seconds':>10}{'MB/s':>10}{'vs torch':>10}",
     ]
     for ours, theirs in (("save", "torch.save"), ("load", "torch.load")):
@@ -185,15 +209,28 @@ def report(times: dict[str, list[float]], nbytes: int, learner: TitanLearner, ar
         f"synchronous save; committed after {med['async_done']:.3f} s"
     )
     rows.append(
-        f"checksums: writing them takes {med['checksums']:.3f} s "
+        f"checksums: hashing the records takes {med['checksums']:.3f} s "
         f"({med['checksums'] / med['save']:.2f} x the save); a verified load takes "
         f"{med['load'] / med['load unverified']:.2f} x an unverified one"
     )
     return "\n".join(rows)
 
 
+def steady_allocator() -> None:
+    """glibc keeps freed memory (no mmap per block up to 32 MiB, no trimming): every timed
+    operation gets memory that earlier ones touched, whatever ran before it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to pin
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 * 1024**2)
+    libc.mallopt(m_trim_threshold, 2**31 - 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    steady_allocator()
     try:
         config = load_config(args.config, [*DEFAULT_SIZE, *args.overrides])
         learner = TitanLearner.from_config(config)

@@ -1,6 +1,6 @@
-"""The optimizer's per-parameter settings are one checkpoint record (checkpoint.packing), and a
-checkpoint written before that packing, one record per parameter and setting, still resumes
-exactly."""
+"""The optimizer's per-parameter settings are one small checkpoint record (checkpoint.packing),
+and a checkpoint written before that packing, one record per parameter and setting, still
+resumes exactly."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_pack_and_unpack_are_inverse_and_leave_tensors_alone():
     assert all(isinstance(v, torch.Tensor) for k, v in packed.items() if k != "param_groups")
     assert_same_state(unpack_param_groups(packed), flat)
     assert_same_state(unpack_param_groups(flat), flat)  # never packed: unchanged
+    (params, settings), *more = packed["param_groups"]  # one group: every setting is shared
+    assert not more and len(params) > 10 and dict(settings)["lr"] > 0
 
 
 def test_the_settings_are_one_record(tmp_path):

@@ -128,18 +128,51 @@ def resume_after_async_save(root: Path) -> tuple[dict[str, Any], Learner]:
     return result, second
 
 
-def load_corrupted_shard(learner: Learner, root: Path, damaged: Path) -> str:
-    """Rank 1's shard file overwritten with garbage: every rank must raise, none may hang."""
+def local_tensors(learner: Learner) -> dict[str, torch.Tensor]:
+    """This rank's own shards of the model and optimizer state, as plain tensors (clones)."""
+    from torch.distributed.tensor import DTensor
+
+    state = learner.checkpoint()
+    return {
+        f"{part}.{key}": value.to_local() if isinstance(value, DTensor) else value
+        for part in ("model", "optimizer")
+        for key, value in state[part].items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def zero_a_record_only_rank1_reads(step: Path) -> None:
+    """Zeros over rank 1's shard of the embedding (same length: only a read can tell)."""
+    metadata = checkpoint.read_metadata(step)
+    info = next(
+        info
+        for index, info in metadata.storage_data.items()
+        if index.fqn == "model.tok_embeddings.weight" and info.relative_path == "__1_0.distcp"
+    )
+    with open(step / info.relative_path, "r+b") as shard:
+        shard.seek(info.offset)
+        shard.write(bytes(info.length))
+
+
+def load_corrupted_shard(learner: Learner, root: Path, damaged: Path) -> dict[str, Any]:
+    """A record in rank 1's shard file zeroed: every rank must raise, none may hang, and no
+    rank's state may change, although rank 0's own records are sound (and differ from its
+    state: it trained on after the save)."""
     if dist.get_rank() == 0:
         shutil.copytree(checkpoint.latest(root), damaged)
-        shard = damaged / "__1_0.distcp"
-        shard.write_bytes(bytes(shard.stat().st_size))  # same length: only a read can tell
+        zero_a_record_only_rank1_reads(damaged)
     dist.barrier()
+    before = local_tensors(learner)
     try:
         checkpoint.load(learner, damaged)
+        error = "no error"
     except checkpoint.CheckpointError as err:
-        return str(err)
-    return "no error"
+        error = str(err)
+    after = local_tensors(learner)
+    unchanged = before.keys() == after.keys() and all(
+        torch.equal(after[key], value) for key, value in before.items()
+    )
+    return {"error": error, "unchanged": unchanged}
 
 
 def rank_skips_a_save(learner: Learner, root: Path) -> dict[str, Any]:

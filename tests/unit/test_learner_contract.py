@@ -161,6 +161,19 @@ def test_checkpoint_returns_clones_not_live_tensors(config):
     assert state["optimizer"], "optimizer moments are part of the checkpoint"
 
 
+def test_an_uncloned_checkpoint_is_the_live_state(config):
+    """clone=False (what a load fills in place) hands out the tensors the learner trains."""
+    learner = LocalLearner(config)
+    learner.update(batches(1)[0])
+    live = learner.checkpoint(clone=False)
+    moment = next(k for k in live["optimizer"] if k.endswith("norm.weight.exp_avg"))
+    live["model"]["norm.weight"].add_(1.0)
+    live["optimizer"][moment].zero_()
+    state = learner.checkpoint()
+    assert torch.equal(state["model"]["norm.weight"], live["model"]["norm.weight"])
+    assert not state["optimizer"][moment].any()
+
+
 def test_loading_a_mid_window_checkpoint_restarts_the_window(config):
     learner = LocalLearner(tiny_config(learner={"grad_accum_steps": 2}))
     learner.update(batches(1)[0][:4])

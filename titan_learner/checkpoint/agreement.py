@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_learner.checkpoint.errors import CheckpointError, CheckpointTimeoutError
-from titan_learner.ranks import is_distributed, rank
+from titan_learner.ranks import is_distributed, rank, world_size
 
 T = TypeVar("T")
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -32,9 +32,9 @@ def checkpoint_group(timeout: float) -> dist.ProcessGroup | None:
     job with an error naming the operation instead of hanging on the training group's timeout;
     gloo also lets `dcp.async_save` run its collectives from a background thread, on CUDA jobs
     too. Created on first use (a collective over the world): every rank must pass the same
-    timeout.
+    timeout. None (no collectives at all) without a process group, or in a world of one.
     """
-    if not is_distributed():
+    if not is_distributed() or world_size() == 1:
         return None
     key = (id(dist.group.WORLD), float(timeout))
     if key not in _GROUPS:
@@ -87,6 +87,22 @@ def agree(group: dist.ProcessGroup | None, operation: str, error: BaseException 
     if failed:
         rank, report = failed[0]
         raise CheckpointError(f"{operation} failed on rank {rank}: {report}")
+
+
+def same_error(group: dist.ProcessGroup | None, error: CheckpointError | None) -> None:
+    """Raise the lowest failing rank's CheckpointError on every rank, its message unchanged
+    (a damaged record names its own file), or nothing when no rank failed."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    reports: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, None if error is None else str(error), group=group)
+    failed = [report for report in reports if report is not None]
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(failed[0])
 
 
 def everywhere(group: dist.ProcessGroup | None, operation: str, fn: Callable[[], T]) -> T:

@@ -6,28 +6,37 @@ DCP alone does not guarantee this in torch 2.13:
   metadata types (the same file format, not a new one).
 - `DefaultLoadPlanner.load_bytes` reads non-tensor entries with `torch.load(weights_only=False)`.
   We load them with `weights_only=True` (our non-tensor entries are plain ints, floats, lists).
-- Tensor payloads are read with `torch.load(weights_only=True)` by DCP itself.
+- Tensor records are raw bytes (checkpoint.records), or, in checkpoints written before those,
+  torch.save archives read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import mmap
 import os
 import pickle
-from concurrent.futures import Future
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
+from titan_learner.checkpoint.agreement import same_error
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.integrity import Checksums, load_checksums
 from titan_learner.checkpoint.layout import METADATA, resolve
+from titan_learner.checkpoint.records import decode_tensor
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS = frozenset(
@@ -106,39 +115,136 @@ def _unpickling_reason(err: BaseException) -> str:
     return (reasons or lines or [type(err).__name__])[0]
 
 
+_ZIP_MAGIC = b"PK\x03\x04"
+"""How every torch.save archive starts (DCP's records of plain values are torch.save's)."""
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+_CANNOT_MAP = (errno.EINVAL, errno.ENODEV, errno.EOPNOTSUPP)  # an old kernel, a file system
+
+
+def _read_ranges(file: Any, size: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    data = torch.empty(size, dtype=torch.uint8)  # pages outside `ranges` are never touched
+    view = memoryview(data.numpy())
+    for offset, length in ranges:
+        file.seek(offset)
+        if file.readinto(view[offset : offset + length]) != length:
+            raise OSError(f"{Path(file.name).name} ends inside a record at byte {offset}")
+    return data
+
+
+def _map_ranges(file: Any, size: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    mapping = mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ)
+    for offset, length in ranges:
+        start = offset - offset % mmap.PAGESIZE
+        if length:
+            mapping.madvise(_MADV_POPULATE_READ, start, offset + length - start)
+    with warnings.catch_warnings():  # it is only read: copied from, hashed, unpickled
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _file_bytes(path: Path, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The bytes of a shard file as one uint8 tensor, of which `ranges` (offset, length) are
+    readable: a read-only mapping of the file on Linux, so records are hashed and copied
+    straight from the page cache, never first into a buffer of their own.
+
+    MADV_POPULATE_READ reads the ranges in up front, so a disk error or a file shorter than
+    its records is an OSError here, not a SIGBUS later. Where that or the mapping is not
+    available (not Linux, a kernel before 5.14), the ranges are read into memory.
+    """
+    with open(path, "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        if sys.platform == "linux":
+            try:
+                return _map_ranges(file, size, ranges)
+            except OSError as err:
+                if err.errno not in _CANNOT_MAP:
+                    raise
+        return _read_ranges(file, size, ranges)
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader, handed the metadata we already read safely (not `pickle.load`).
 
-    It also remembers which shard file it is reading, so a corrupted one is named, and
-    verifies each record against the step's checksums (checkpoint.integrity) as it reads it.
+    It verifies every record this rank needs against the step's checksums
+    (checkpoint.integrity) and decodes it (checkpoint.records: raw or torch.save) before it
+    copies anything into the state being loaded: a damaged record, named with its file, is
+    found before any tensor changes. A raw record is hashed and copied in place, from the
+    mapped file (`_file_bytes`).
     """
 
-    def __init__(self, path: Path, metadata: Metadata, checksums: Checksums | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        metadata: Metadata,
+        checksums: Checksums | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__(path)
         self._metadata = metadata
         self._checksums = checksums
+        self._group = group
         self._reading = "?"
 
-    def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        """The record's bytes, verified against the checksum saved with them."""
-        self._reading = sinfo.relative_path
-        view = super()._slice_file(file, sinfo)
-        if self._checksums is None:
-            return view
-        data = view.read()
-        self._checksums.verify(sinfo.relative_path, sinfo.offset, data)
-        return io.BytesIO(data)  # read once: torch.load decodes the bytes that were verified
+    def _read_records(self, plan: LoadPlan, planner: LoadPlanner) -> dict[Any, torch.Tensor]:
+        """Every record this rank needs, verified; tensors decoded, plain values loaded."""
+        per_file: dict[str, dict[Any, list[ReadItem]]] = {}
+        for item in plan.items:
+            path = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(path, {}).setdefault(item.storage_index, []).append(item)
+        tensors: dict[Any, torch.Tensor] = {}
+        for relative_path, records in per_file.items():
+            self._reading = relative_path
+            infos = {index: self.storage_data[index] for index in records}
+            ranges = sorted((info.offset, info.length) for info in infos.values())
+            whole = _file_bytes(Path(self.path) / relative_path, ranges)
+            for index, items in records.items():
+                info = infos[index]
+                data = whole[info.offset : info.offset + info.length]
+                if self._checksums is not None:
+                    self._checksums.verify(relative_path, info.offset, memoryview(data.numpy()))
+                if items[0].type == LoadItemType.BYTE_IO:
+                    if bytes(data[:4].numpy()) != _ZIP_MAGIC:  # garbage, not a refusal
+                        raise ValueError(f"record '{index.fqn}' is not a torch.save archive")
+                    for item in items:
+                        planner.load_bytes(item, io.BytesIO(data.numpy()))
+                else:
+                    tensors[index] = decode_tensor(data, info, index, self._metadata)
+        return tensors
 
-    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        error, tensors = None, {}
         try:
-            return super().read_data(plan, planner)
-        except CheckpointError:
-            raise
+            tensors = self._read_records(plan, planner)
+        except CheckpointError as err:
+            error = err
         except Exception as err:
-            raise CheckpointError(
+            error = CheckpointError(
                 f"shard file {Path(self.path) / self._reading} is corrupted: a record in it "
                 f"could not be read ({type(err).__name__}: {_unpickling_reason(err)})"
-            ) from None
+            )
+        # No rank copies a byte into its state unless every rank's records are sound.
+        same_error(self._group, error)
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            source = narrow_tensor_by_index(
+                tensors[item.storage_index], item.storage_offsets, item.lengths
+            )
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise CheckpointError(
+                    f"record '{item.storage_index.fqn}': {tuple(source.size())} read for a "
+                    f"destination of {tuple(target.size())}"
+                )
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:

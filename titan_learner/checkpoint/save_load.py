@@ -2,9 +2,14 @@
 
 On disk, under one checkpoint root directory:
 
-    <root>/step-<N>/       a committed checkpoint (DCP: `.metadata` + `__<rank>_<i>.distcp`)
+    <root>/step-<N>/       a committed checkpoint: DCP's `.metadata`, one `__<rank>_0.distcp`
+                           per rank, `checksums.json` (checkpoint.integrity)
     <root>/step-<N>.tmp/   a save in progress, or one that died mid-way: never loaded
     <root>/latest          the name of the newest committed step directory, written last
+
+A shard file is a sequence of records: each tensor shard as its raw bytes (checkpoint.records;
+dtype, shape and offsets in the global tensor are DCP's metadata), each plain value as DCP's
+torch.save of it. Checkpoints written before raw records (torch.save records) load too.
 
 `save` and `load` are collectives: every rank calls them, in the same order. Each rank writes and
 reads only its own shards; DCP reshards on load, so a checkpoint written at dp_shard=4 loads at
@@ -29,7 +34,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -43,10 +47,10 @@ from titan_learner.checkpoint.agreement import (
 )
 from titan_learner.checkpoint.async_save import AlreadyStaged, SaveHandle, on_cpu, then_commit
 from titan_learner.checkpoint.errors import CheckpointError
-from titan_learner.checkpoint.integrity import write_checksums
 from titan_learner.checkpoint.layout import commit, prepare, step_dir, tmp_dir
 from titan_learner.checkpoint.packing import saved_unpacked, unpack_param_groups
-from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open_step, read_metadata
+from titan_learner.checkpoint.records import RawWriter
+from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open_step
 from titan_learner.ranks import rank, world_size
 
 RNG_KEY = "rng"
@@ -61,7 +65,7 @@ class Checkpointable(Protocol):
 
     step: int
 
-    def checkpoint(self) -> dict[str, Any]: ...
+    def checkpoint(self, *, clone: bool = True) -> dict[str, Any]: ...
 
     def load_checkpoint(self, state: dict[str, Any]) -> None: ...
 
@@ -122,13 +126,14 @@ def _rank_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-def _state(learner: Checkpointable) -> dict[str, Any]:
+def _state(learner: Checkpointable, clone: bool) -> dict[str, Any]:
     """`learner.checkpoint()` plus this rank's RNG states, under a key only this rank writes.
 
     RNG states differ per rank; DCP would keep one copy of a key every rank saves, so each rank
-    saves `rng.rank<r>.<device>`.
+    saves `rng.rank<r>.<device>`. clone=False (a synchronous save: training waits for it)
+    writes the live tensors, without copying the state first.
     """
-    state = learner.checkpoint()
+    state = learner.checkpoint(clone=clone)
     for reserved in (RNG_KEY, EXTRA_KEY):
         if reserved in state:
             raise CheckpointError(
@@ -145,12 +150,13 @@ def _saved_ranks(metadata: Metadata) -> set[str]:
 
 
 def _template(learner: Checkpointable, metadata: Metadata) -> dict[str, Any]:
-    """What to load into: the learner's own state (right layout, right shapes) and RNG slots.
+    """What to load into: the learner's own live state (right layout, right shapes; loaded in
+    place, so `load_checkpoint` copies nothing more) and RNG slots.
 
     RNG states are restored only when the checkpoint was saved by a world of the same size:
     otherwise ranks do not correspond and the state is left as it is (with a warning).
     """
-    state = learner.checkpoint()
+    state = learner.checkpoint(clone=False)
     optimizer_keys = [
         key.removeprefix("optimizer.")
         for key in metadata.state_dict_metadata
@@ -193,13 +199,6 @@ def _check_options(keep_latest_k: int, timeout: float) -> None:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
 
 
-def _commit_with_checksums(root: Path, step: int, keep_latest_k: int) -> Path:
-    """Rank 0, after every shard is on disk: checksums of every record, then the commit."""
-    staged = tmp_dir(root, step)
-    write_checksums(staged, read_metadata(staged))
-    return commit(root, step, keep_latest_k)
-
-
 def save(
     learner: Checkpointable,
     directory: str | os.PathLike,
@@ -235,12 +234,12 @@ def save(
     group = checkpoint_group(timeout)
     join(group, timeout, operation)
     on_rank0(group, operation, lambda: prepare(root, step))
-    state = _state(learner)
+    state = _state(learner, clone=asynchronous)
     if extra:
         state[EXTRA_KEY] = extra
-    writer = FileSystemWriter(tmp_dir(root, step))
+    writer = RawWriter(tmp_dir(root, step))
     no_dist = group is None
-    commit_step = lambda: _commit_with_checksums(root, step, keep_latest_k)  # noqa: E731
+    commit_step = lambda: commit(root, step, keep_latest_k)  # noqa: E731
     discard_step = lambda: shutil.rmtree(tmp_dir(root, step), ignore_errors=True)  # noqa: E731
     if not asynchronous:
         try:
@@ -302,7 +301,7 @@ def load(
     with dcp_call(operation, group is None):
         dcp.load(
             state,
-            storage_reader=SafeReader(path, metadata, checksums),
+            storage_reader=SafeReader(path, metadata, checksums, group),
             planner=SafeLoadPlanner(),
             process_group=group,
             no_dist=group is None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -388,33 +388,40 @@ class Learner:
 
     # -- state: in memory (checkpoint / state_dict), on disk (save / load) --------------------
 
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self, *, clone: bool = True) -> dict[str, Any]:
         """This rank's state in memory, as cloned tensors (writes nothing to disk).
 
         Model and optimizer shards, LR scheduler, stepper counters, the loss module's own
         parameters and buffers, step and policy version. Gradients are not saved.
         A collective on sharded learners; `save` is the on-disk form.
+
+        clone=False: the tensors as the model's and optimizer's `state_dict()` return them, not
+        cloned (the live ones, but where a state-dict hook derives them, as TorchTitan's fused
+        QKV split does): what a load fills in place before `load_checkpoint`, and what a
+        synchronous save writes from, without copying the whole state first. Never keep it.
         """
+        copy = _clone if clone else dict
         counters = self.stepper.counters() if hasattr(self.stepper, "counters") else {}
         return {
-            "model": _clone(self.model.state_dict()),
-            "optimizer": self._optimizer_state(),
+            "model": copy(self.model.state_dict()),
+            "optimizer": self._optimizer_state(copy),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "loss": _clone(loss_own_state(self.loss_module, self.model)),
+            "loss": copy(loss_own_state(self.loss_module, self.model)),
             "stepper": counters,
             "step": self.step,
             "policy_version": self.policy_version,
         }
 
-    def _optimizer_state(self) -> dict[str, Any]:
-        """Cloned optimizer state, without side effects on a learner that never stepped.
+    def _optimizer_state(self, copy: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        """Optimizer state (`copy`: cloned or not), without side effects on a learner that
+        never stepped.
 
         TorchTitan materializes missing Adam state with a zero-lr step, which leaves `step` at 1
         and would make the next update differ from that of a learner never checkpointed:
         step 0 with zero moments is exactly a fresh Adam, so the count is put back.
         """
         fresh = not any(optimizer.state for optimizer in self.optimizer.optimizers)
-        state = _clone(self.optimizer.state_dict())
+        state = copy(self.optimizer.state_dict())
         if fresh:
             for optimizer in self.optimizer.optimizers:
                 for param_state in optimizer.state.values():
