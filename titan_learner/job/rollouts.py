@@ -108,10 +108,11 @@ class OffPolicyRollouts(Rollouts):
         last_step: int,
     ) -> None:
         super().__init__(learner, generator, loader, sample)
-        self._threads = None
-        if learner.device.type == "cpu":  # the cores are shared: half to each side
-            self._threads = max(1, torch.get_num_threads() // 2)
-            torch.set_num_threads(self._threads)
+        # On CPU the sampling thread takes half the cores' threads; the learner keeps its own
+        # (it is the longer phase: it has every core whenever the generator waits).
+        self._threads = (
+            max(1, torch.get_num_threads() // 2) if learner.device.type == "cpu" else None
+        )
         self._before: dict[int, dict[str, int]] = {}  # step -> data position before its prompts
         self._epochs: dict[int, float] = {}
         self.is_sync_point = is_sync_point
