@@ -36,7 +36,6 @@ save's clone 0.07 or 0.15 s, by what else the process had allocated and freed.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shlex
 import shutil
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from titan_learner import checkpoint
+from titan_learner.allocator import keep_freed_memory
 from titan_learner.checkpoint import records
 from titan_learner.checkpoint.integrity import CHECKSUMS, hash_bytes
 from titan_learner.checkpoint.layout import latest
@@ -216,21 +216,9 @@ def report(times: dict[str, list[float]], nbytes: int, learner: TitanLearner, ar
     return "\n".join(rows)
 
 
-def steady_allocator() -> None:
-    """glibc keeps freed memory (no mmap per block up to 32 MiB, no trimming): every timed
-    operation gets memory that earlier ones touched, whatever ran before it."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: nothing to pin
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 * 1024**2)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    steady_allocator()
+    keep_freed_memory()  # every timed operation reuses pages earlier ones touched
     try:
         config = load_config(args.config, [*DEFAULT_SIZE, *args.overrides])
         learner = TitanLearner.from_config(config)

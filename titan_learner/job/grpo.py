@@ -250,6 +250,7 @@ def run(config: Config, resume: bool = False, overwrite: bool = False) -> list[d
     a previous run is refused, or moved aside with `overwrite`. SIGTERM checkpoints and stops
     after the current step (job.preemption).
     """
+    from titan_learner.allocator import keep_freed_memory
     from titan_learner.config.errors import ConfigError
     from titan_learner.config.validate import device_type
     from titan_learner.job.run_directory import RunDirectory
@@ -257,6 +258,7 @@ def run(config: Config, resume: bool = False, overwrite: bool = False) -> list[d
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(config, world_size)
+    keep_freed_memory()  # each step reuses the pages the last one touched
     init_process_group(device_type(config))  # so that ranks agree on the directory below
     directory = RunDirectory(config.run.output_dir, config.source)
     error = None
