@@ -8,7 +8,8 @@ checkpoints with the data position. The same command runs alone or under torchru
 Which rank does what: every rank builds the same global prompts of a step and keeps its
 data-parallel slice; ranks of one tensor-parallel group hold the same slice and train on their
 first rank's rollout. Each rank owns an embedded generator that receives the learner's full
-weights after every step. Rank 0 writes telemetry, samples and eval completions.
+weights after every step, or samples ahead in a thread with `[rollout] max_off_policy_steps`
+(job.rollouts). Rank 0 writes telemetry, samples and eval completions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from titan_learner.job.collectives import gather_over, raise_everywhere, same_wi
 from titan_learner.job.scoring import score_rollout
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import Reward, build_rewards
+
+if TYPE_CHECKING:
+    from titan_learner.rollout.base import Rollout
 
 BUCKET_BYTES = 64 * 1024**2
 SAMPLES_PER_LOG = 4
@@ -134,7 +138,7 @@ class StepResult:
 class Sampled:
     """One step's rollout on this rank, and the prompts it answers."""
 
-    rollout: Any
+    rollout: Rollout
     mine: list[Prompt]
     seconds: float
 

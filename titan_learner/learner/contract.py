@@ -43,7 +43,6 @@ from titan_learner.learner.normalization import (
     micro_batch_counts,
     term_kind,
 )
-from titan_learner.learner.normalization import step_counts as window_counts
 from titan_learner.learner.optimizer import build_lr_scheduler, build_optimizer
 from titan_learner.learner.policy import TitanPolicy
 from titan_learner.learner.stepper import TitanOptimizationStepper
@@ -237,20 +236,25 @@ class Learner:
                 "learner's own stepper (TitanOptimizationStepper)"
             )
         micros = token_budget_micro_batches(batch, budget, self._most_over_ranks)
-        counts = window_counts(micros)
+        each = [micro_batch_counts(micro) for micro in micros]
+        window = {kind: sum(counts[kind] for counts in each) for kind in each[0]}
         skipped = self.stepper.skipped_nonfinite_steps
         with one_window(len(micros)):
-            for micro in micros:
-                result = self._update_one(micro, counts)
+            for micro, counts in zip(micros, each, strict=True):
+                result = self._update_one(micro, window, counts)
                 if self.stepper.skipped_nonfinite_steps != skipped:
                     break  # the window was dropped, on every rank alike (see compute_loss)
         return self._report(*result)
 
     def _update_one(
-        self, batch: TensorDictBase, step_counts: Mapping[str, float] | None
+        self,
+        batch: TensorDictBase,
+        step_counts: Mapping[str, float] | None,
+        counts: dict[str, float] | None = None,
     ) -> tuple[TensorDictBase, float, bool]:
-        """One checked micro-batch through the stepper: (its metrics, the lr, window over)."""
-        counts = micro_batch_counts(batch)
+        """One checked micro-batch through the stepper: (its metrics, the lr, window over).
+        `counts`: the micro-batch's own (`micro_batch_counts`), when the caller has them."""
+        counts = micro_batch_counts(batch) if counts is None else counts
         accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
         self._pending = self._normalization.begin(
             counts, step_counts, self._window_position(), accumulation
