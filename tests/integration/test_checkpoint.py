@@ -357,6 +357,30 @@ def test_a_dead_partial_save_is_replaced_by_the_next_save(saved, tmp_path):
     assert not dead.exists() and committed_steps(root) == [SAVE_AT, SAVE_AT + 1]
 
 
+def test_each_ranks_local_tensors_round_trip(saved, tmp_path):
+    """What the job keeps per rank at a preemption (its queued rollouts): any shapes and
+    dtypes, back exactly; a checkpoint without them loads with none, and loads without asking."""
+    local = {
+        "step4_completion_tokens": torch.arange(12).reshape(3, 4),
+        "step4_completion_log_probs": torch.randn(3, 4),
+        "step4_finished": torch.tensor([True, False, True]),
+        "step4_seconds": torch.tensor([0.25], dtype=torch.float64),
+    }
+    learner = LocalLearner(tiny_config())
+    save(learner, tmp_path, local=local).wait()
+    back: dict = {}
+    load(LocalLearner(tiny_config()), tmp_path, local=back)
+    assert back.keys() == local.keys()
+    for name, tensor in local.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    load(LocalLearner(tiny_config()), tmp_path)  # not asked for: left alone
+    none: dict = {}
+    load(LocalLearner(tiny_config()), saved["root"], local=none)
+    assert none == {}
+    with pytest.raises(ValueError, match="local entries are tensors under names without dots"):
+        save(learner, tmp_path / "dotted", local={"step.4": torch.zeros(1)})
+
+
 # -- a world of 4: save at dp_shard=4, load at dp_shard=2 x tp=2 and on one process ----------
 
 

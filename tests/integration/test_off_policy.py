@@ -11,18 +11,43 @@ from tests.support.worlds import run_world
 K1 = ["rollout.max_off_policy_steps=1", "checkpoint.interval=2", "eval.every_steps=0"]
 
 
+def preempted_at(rank: int, output_dir: str, steps: int, stop_after: int) -> list[dict]:
+    """A run that gets SIGTERM (on rank 0 only) while it trains step `stop_after`."""
+    import signal
+
+    from titan_learner.job import grpo
+
+    train_on, calls = grpo.train_on, {"n": 0}
+
+    def signalled(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == stop_after and rank == 0:
+            signal.raise_signal(signal.SIGTERM)
+        return train_on(*args, **kwargs)
+
+    grpo.train_on = signalled
+    try:
+        return short_run(rank, output_dir, steps, K1)
+    finally:
+        grpo.train_on = train_on
+
+
 def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
     return {
         "whole": short_run(rank, f"{root}/whole", 5, K1),
         "first": short_run(rank, f"{root}/cut", 2, K1),
         "resumed": short_run(rank, f"{root}/cut", 5, K1, resume=True),
+        # step 3 is no sync point: step 4's rollout (from version 2) is queued when it stops
+        "preempted": preempted_at(rank, f"{root}/preempted", 5, stop_after=3),
+        "after": short_run(rank, f"{root}/preempted", 5, K1, resume=True),
     }
 
 
 @pytest.mark.slow
 def test_one_step_off_policy_on_two_ranks_resumes_exactly(tmp_path):
     """dp_shard=2, k=1, checkpoints every 2 steps: the pipeline drains after each, so a run
-    cut at step 2 and resumed repeats the uninterrupted run step for step."""
+    cut at step 2 and resumed repeats the uninterrupted run step for step; so does one
+    preempted at step 3, between sync points (its queued rollout is in the checkpoint)."""
     ranks = run_world(2, interrupted_and_whole, str(tmp_path))
     runs = ranks[0]
     whole = runs["whole"]
@@ -39,6 +64,11 @@ def test_one_step_off_policy_on_two_ranks_resumes_exactly(tmp_path):
     for other, mine in zip(ranks[1]["whole"], whole, strict=True):  # metrics are global
         assert other["reward_mean"] == mine["reward_mean"]
     assert [line["step"] for line in training_lines(tmp_path / "cut")] == [1, 2, 3, 4, 5]
+    # SIGTERM between sync points: the queued rollout of step 4 is saved and trained on
+    assert len(runs["preempted"]) == 3 and len(runs["after"]) == 2
+    for got, want in zip(runs["preempted"] + runs["after"], whole, strict=True):
+        for key in ("reward_mean", "loss_objective", "grad_norm", "staleness_max"):
+            assert got[key] == want[key], key
 
 
 def failing_generator_run(rank: int, root: str) -> str:

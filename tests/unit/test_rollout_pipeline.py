@@ -114,3 +114,45 @@ def test_off_policy_steps_must_be_positive():
             start=0,
             last_step=1,
         )
+
+
+def test_a_preempted_pipeline_resumes_with_its_queue_as_if_never_stopped():
+    """k=2, stopped after step 5 (no sync point): the parked thread has sampled every step
+    whose version the learner reached (6, 7, 8 from versions 3, 4, 5); a pipeline started at
+    step 5 with them goes on with the versions of the uninterrupted run."""
+    never = every(100)
+
+    def pipeline_of(generator, start, queued=()):
+        return RolloutPipeline(
+            generator.produce,
+            generator.load_weights,
+            off_policy_steps=2,
+            is_sync_point=never,
+            start=start,
+            last_step=10,
+            queued=queued,
+        )
+
+    whole = pipeline_of(FakeGenerator(), 0)
+    try:
+        uninterrupted = run_steps(whole, range(1, 11), never)
+    finally:
+        whole.close()
+    first = pipeline_of(FakeGenerator(), 0)
+    try:
+        before = run_steps(first, range(1, 6), never)
+        first.parked()
+        queued = first.queued()
+    finally:
+        first.close()
+    assert [(p.step, p.version) for p in queued] == [(6, 3), (7, 4), (8, 5)]
+    resumed_generator = FakeGenerator()
+    resumed_generator.version = 5  # the checkpoint's weights
+    resumed = pipeline_of(resumed_generator, 5, queued)
+    try:
+        after = run_steps(resumed, range(6, 11), never)
+    finally:
+        resumed.close()
+    assert before + after == uninterrupted
+    with pytest.raises(ValueError, match=r"queued rollouts must be of steps 6, \.\.\.; got \[7\]"):
+        pipeline_of(FakeGenerator(), 5, queued[1:2])

@@ -16,7 +16,8 @@ reads only its own shards; DCP reshards on load, so a checkpoint written at dp_s
 dp_shard=2 x tp=2, or into a one-process `LocalLearner` as plain tensors.
 
 What is saved is `Learner.checkpoint()` (model and optimizer shards, LR scheduler, stepper
-counters, loss-owned parameters and buffers, step, policy version) plus each rank's RNG states.
+counters, loss-owned parameters and buffers, step, policy version) plus each rank's RNG states
+and, where a caller gives them, plain values (`extra`) and each rank's own tensors (`local`).
 
 Loading runs no pickled code (see `titan_learner.checkpoint.safe_read`).
 
@@ -56,6 +57,8 @@ from titan_learner.ranks import rank, world_size
 RNG_KEY = "rng"
 EXTRA_KEY = "extra"
 """Plain values a caller saves beside the learner (the job's data position)."""
+LOCAL_KEY = "local"
+"""Tensors each rank saves for itself (the job's queued rollouts), under its own key."""
 DEFAULT_TIMEOUT_S = 1800.0
 """Long enough for the slowest rank's write of a large model: DCP's collectives wait for it."""
 
@@ -97,7 +100,7 @@ def _check_fits(path: Path, state: dict[str, Any], metadata: Metadata) -> None:
         there = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
         if here != there:
             mismatched.append(f"{key} ({_describe(there)} saved, {_describe(here)} here)")
-    optional = (f"{RNG_KEY}.", f"{EXTRA_KEY}.")  # restored only when asked for
+    optional = (f"{RNG_KEY}.", f"{EXTRA_KEY}.", f"{LOCAL_KEY}.")  # restored only when asked for
     extra = sorted(k for k in saved if k not in flat and not k.startswith(optional))
     if missing or mismatched or extra:
         parts = [
@@ -126,6 +129,13 @@ def _rank_key(rank: int) -> str:
     return f"rank{rank}"
 
 
+def _checked_local(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for name, value in local.items():
+        if "." in name or not isinstance(value, torch.Tensor):
+            raise ValueError(f"local entries are tensors under names without dots, got {name!r}")
+    return dict(local)
+
+
 def _state(learner: Checkpointable, clone: bool) -> dict[str, Any]:
     """`learner.checkpoint()` plus this rank's RNG states, under a key only this rank writes.
 
@@ -134,7 +144,7 @@ def _state(learner: Checkpointable, clone: bool) -> dict[str, Any]:
     writes the live tensors, without copying the state first.
     """
     state = learner.checkpoint(clone=clone)
-    for reserved in (RNG_KEY, EXTRA_KEY):
+    for reserved in (RNG_KEY, EXTRA_KEY, LOCAL_KEY):
         if reserved in state:
             raise CheckpointError(
                 f"Learner.checkpoint() returned a '{reserved}' entry; it is reserved"
@@ -149,11 +159,12 @@ def _saved_ranks(metadata: Metadata) -> set[str]:
     }
 
 
-def _template(learner: Checkpointable, metadata: Metadata) -> dict[str, Any]:
+def _template(learner: Checkpointable, metadata: Metadata, with_local: bool) -> dict[str, Any]:
     """What to load into: the learner's own live state (right layout, right shapes; loaded in
-    place, so `load_checkpoint` copies nothing more) and RNG slots.
+    place, so `load_checkpoint` copies nothing more), RNG slots and, `with_local`, slots for
+    this rank's `local` tensors (shapes and dtypes from the metadata).
 
-    RNG states are restored only when the checkpoint was saved by a world of the same size:
+    Per-rank state is restored only when the checkpoint was saved by a world of the same size:
     otherwise ranks do not correspond and the state is left as it is (with a warning).
     """
     state = learner.checkpoint(clone=False)
@@ -166,10 +177,14 @@ def _template(learner: Checkpointable, metadata: Metadata) -> dict[str, Any]:
         state["optimizer"] = unpack_param_groups(state["optimizer"])  # saved before the packing
     saved_ranks = _saved_ranks(metadata)
     if len(saved_ranks) != world_size():
+        local = with_local and any(
+            k.startswith(f"{LOCAL_KEY}.") for k in metadata.state_dict_metadata
+        )
         if rank() == 0:
             warnings.warn(
                 f"RNG states not restored: the checkpoint was saved by {len(saved_ranks)} "
-                f"rank(s), this world has {world_size()}; RNG states are per rank",
+                f"rank(s), this world has {world_size()}; RNG states are per rank"
+                + (", and so are the ranks' local tensors, not restored either" if local else ""),
                 stacklevel=3,
             )
         return state
@@ -181,6 +196,14 @@ def _template(learner: Checkpointable, metadata: Metadata) -> dict[str, Any]:
     }
     if slots:
         state[RNG_KEY] = {key: slots}
+    prefix = f"{LOCAL_KEY}.{key}."
+    local = {
+        name.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in metadata.state_dict_metadata.items()
+        if with_local and name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    if local:
+        state[LOCAL_KEY] = {key: local}
     return state
 
 
@@ -207,6 +230,7 @@ def save(
     asynchronous: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
     extra: dict[str, Any] | None = None,
+    local: dict[str, torch.Tensor] | None = None,
 ) -> SaveHandle:
     """Save `learner` at its current step into `directory/step-<step>` (a collective).
 
@@ -226,8 +250,13 @@ def save(
     extra: plain values (ints, floats, strings, nested dicts of them) saved beside the learner,
     the same on every rank (e.g. the job's data position); `load(..., extra=template)` reads
     them back.
+
+    local: this rank's own tensors (names without dots; any shapes, different on each rank),
+    e.g. the job's queued rollouts; `load(..., local={})` reads them back into the same world
+    size.
     """
     _check_options(keep_latest_k, timeout)
+    local = _checked_local(local) if local else None
     async_save.wait_for_pending_save()
     root, step = Path(directory), int(learner.step)
     operation = f"checkpoint save of step {step} to {root}"
@@ -237,6 +266,8 @@ def save(
     state = _state(learner, clone=asynchronous)
     if extra:
         state[EXTRA_KEY] = extra
+    if local:
+        state[LOCAL_KEY] = {_rank_key(rank()): local}
     writer = RawWriter(tmp_dir(root, step))
     no_dist = group is None
     commit_step = lambda: commit(root, step, keep_latest_k)  # noqa: E731
@@ -275,6 +306,7 @@ def load(
     step: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     extra: dict[str, Any] | None = None,
+    local: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Restore `learner` from the checkpoint `latest` names (or `step`) in `directory`.
 
@@ -285,6 +317,9 @@ def load(
 
     extra: a dict shaped like the one `save` was given; its values are replaced in place by
     the saved ones (a checkpoint without them raises CheckpointError naming the keys).
+
+    local: a dict this rank's saved `local` tensors are put into, when the checkpoint was
+    saved by a world of this size (left empty otherwise, or when it holds none).
     """
     _check_options(0, timeout)
     async_save.wait_for_pending_save()
@@ -294,7 +329,7 @@ def load(
     join(group, timeout, operation)
     path, metadata, checksums = everywhere(group, operation, lambda: open_step(root, step))
     operation = f"checkpoint load of {path}"
-    state = _template(learner, metadata)
+    state = _template(learner, metadata, with_local=local is not None)
     if extra:
         state[EXTRA_KEY] = extra  # filled in place with the saved values
     everywhere(group, operation, lambda: _check_fits(path, state, metadata))
@@ -308,6 +343,8 @@ def load(
         )
     rng = state.pop(RNG_KEY, None)
     state.pop(EXTRA_KEY, None)
+    if local is not None:
+        local.update(state.pop(LOCAL_KEY, {}).get(_rank_key(rank()), {}))
     learner.load_checkpoint(state)
     _restore_rng(rng)
     return path

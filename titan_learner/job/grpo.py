@@ -305,6 +305,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     )
     loader = PromptLoader(inputs.train, config.rollout.prompts_per_step, config.run.seed)
     say = print if rank() == 0 else (lambda *args, **kwargs: None)
+    queued: dict[str, torch.Tensor] = {}  # rollouts sampled ahead, saved at a preemption
     if inputs.skipped:
         say(f"skipped {inputs.skipped} prompt(s) longer than max_prompt_tokens", flush=True)
     if resume and latest(checkpoints) is not None:
@@ -312,7 +313,10 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
             say("resuming with changed: " + ", ".join(map(str, changes)), flush=True)
         extra = {"data": loader.state_dict()}
         learner.load(
-            checkpoints, extra=extra, hyperparameters_from_config=touches_hyperparameters(changes)
+            checkpoints,
+            extra=extra,
+            local=queued,
+            hyperparameters_from_config=touches_hyperparameters(changes),
         )
         loader.load_state_dict(extra["data"])
         say(f"resumed from {latest(checkpoints)} (step {learner.step})", flush=True)
@@ -343,12 +347,13 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     history = []
     every = config.eval.every_steps
 
-    def save(asynchronous: bool) -> None:
+    def save(asynchronous: bool, local: dict[str, torch.Tensor] | None = None) -> None:
         learner.save(
             checkpoints,
             keep_latest_k=config.checkpoint.keep_latest_k,
             asynchronous=asynchronous,
             extra={"data": loader.state_dict()},
+            local=local,
         )
 
     def take_sample(prompts: list[Prompt], step: int) -> Sampled:
@@ -360,7 +365,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
         with PreemptionGuard() as preemption:
             if learner.step == 0:
                 evaluation(0)
-            rollouts = make_rollouts(config, learner, generator, loader, take_sample)
+            rollouts = make_rollouts(config, learner, generator, loader, take_sample, queued)
             is_sync_point = sync_points(config)
             started = time.perf_counter()
             for step in range(learner.step + 1, config.run.steps + 1):
@@ -396,7 +401,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                             latest(checkpoints) is None
                             or latest(checkpoints).name != f"step-{step}"
                         ):
-                            save(asynchronous=False)
+                            save(asynchronous=False, local=rollouts.queued_state())
                         say(
                             f"preempted (SIGTERM): saved step {step} to {checkpoints}; "
                             "continue with --resume",

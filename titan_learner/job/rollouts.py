@@ -9,10 +9,15 @@ the coming steps from weights at most k versions old while the learner trains
     train_on(..., push=lambda: rollouts.push(step))
     with rollouts.drained(step, sync):       # evaluation, checkpoints: the generator holds
         ...                                  # the weights of `step`, the data is at `step`
+
+A SIGTERM between sync points (k > 0) saves the rollouts already sampled for the coming steps
+with the checkpoint (`queued_state()`, each rank its own), and `--resume` trains on them
+(`make_rollouts(..., queued=...)`): the resumed run repeats the uninterrupted one exactly.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,13 +26,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_learner.rollout.pipeline import RolloutPipeline
+from titan_learner.data.loader import rank_slice
+from titan_learner.ranks import rank
+from titan_learner.rollout.base import Rollout
+from titan_learner.rollout.pipeline import Produced, RolloutPipeline
 from titan_learner.weights.sinks import StagingSink, push_weights
 
 if TYPE_CHECKING:
     from titan_learner.config.schema import Config
     from titan_learner.data.loader import PromptLoader
     from titan_learner.job.grpo import Sampled
+
+ROLLOUT_TENSORS = ("completion_tokens", "completion_log_probs", "completion_lengths", "finished")
+QUEUED_STEP = re.compile(r"step(\d+)_versions")
 
 Sample = Callable[[list, int], "Sampled"]
 """`sample(prompts, step)`: this rank's rollout of a step's prompts (no collective)."""
@@ -77,6 +88,10 @@ class Rollouts:
     def drained(self, step: int, sync: bool) -> Iterator[None]:
         yield
 
+    def queued_state(self) -> dict[str, torch.Tensor]:
+        """This rank's rollouts sampled for steps not trained yet (none in turn)."""
+        return {}
+
     def close(self, wait: bool = True) -> None:
         pass
 
@@ -106,8 +121,12 @@ class OffPolicyRollouts(Rollouts):
         off_policy_steps: int,
         is_sync_point: Callable[[int], bool],
         last_step: int,
+        group_size: int,
+        queued: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """`queued`: what `queued_state()` saved at a preemption, to train on first."""
         super().__init__(learner, generator, loader, sample)
+        self.group_size = group_size
         # On CPU the sampling thread takes half the cores' threads; the learner keeps its own
         # (it is the longer phase: it has every core whenever the generator waits).
         self._threads = (
@@ -123,6 +142,7 @@ class OffPolicyRollouts(Rollouts):
             is_sync_point=is_sync_point,
             start=learner.step,
             last_step=last_step,
+            queued=self._restore(queued or {}),
         )
 
     def _produce(self, step: int) -> Sampled:
@@ -171,8 +191,84 @@ class OffPolicyRollouts(Rollouts):
     def close(self, wait: bool = True) -> None:
         self.pipeline.close(wait)
 
+    def _layout(self) -> torch.Tensor:
+        """What queued rollouts depend on: this rank's share of a step's prompts, G."""
+        learner = self.learner
+        return torch.tensor(
+            [
+                learner.data_parallel_rank,
+                learner.capabilities.data_parallel_size,
+                self.loader.per_step,
+                self.group_size,
+            ]
+        )
 
-def make_rollouts(config: Config, learner, generator, loader: PromptLoader, sample: Sample):
+    def queued_state(self) -> dict[str, torch.Tensor]:
+        """After `drained` at a preemption: the rollouts the parked thread made for the coming
+        steps (with their versions), to be saved with the checkpoint; the data position the
+        checkpoint keeps is before their prompts, which a resume draws again."""
+        state = {}
+        for produced in self.pipeline.queued():
+            rollout: Rollout = produced.value.rollout
+            tag = f"step{produced.step}"
+            state |= {
+                f"{tag}_versions": torch.tensor(
+                    [produced.version, rollout.weights_version, rollout.pad_id]
+                ),
+                f"{tag}_seconds": torch.tensor([produced.value.seconds], dtype=torch.float64),
+                **{f"{tag}_{name}": getattr(rollout, name).cpu() for name in ROLLOUT_TENSORS},
+            }
+        return state | {"layout": self._layout()} if state else {}
+
+    def _restore(self, queued: dict[str, torch.Tensor]) -> list[Produced]:
+        """The saved rollouts, with the prompts they answer drawn again from the data; none
+        (they are sampled again, on-policy) when the data-parallel layout changed."""
+        from titan_learner.job.grpo import Sampled
+
+        if not queued:
+            return []
+        if not torch.equal(queued["layout"], self._layout()):
+            if rank() == 0:
+                print(
+                    "the checkpoint's queued rollouts were sampled for another data-parallel "
+                    "layout: sampling those steps again (the run goes on, not step-for-step "
+                    "like an uninterrupted one)",
+                    flush=True,
+                )
+            return []
+        steps = sorted(int(m[1]) for m in map(QUEUED_STEP.fullmatch, queued) if m)
+        restored = []
+        for step in steps:
+            tag = f"step{step}"
+            version, weights_version, pad_id = queued[f"{tag}_versions"].tolist()
+            self._before[step] = self.loader.state_dict()
+            mine = rank_slice(
+                self.loader.next_step(),
+                self.learner.data_parallel_rank,
+                self.learner.capabilities.data_parallel_size,
+            )
+            self._epochs[step] = self.loader.epoch
+            rollout = Rollout(
+                prompts=[prompt.ids for prompt in mine],
+                group_size=self.group_size,
+                pad_id=pad_id,
+                weights_version=weights_version,
+                **{name: queued[f"{tag}_{name}"] for name in ROLLOUT_TENSORS},
+            )
+            seconds = float(queued[f"{tag}_seconds"])
+            restored.append(Produced(step, version, Sampled(rollout, mine, seconds)))
+        return restored
+
+
+def make_rollouts(
+    config: Config,
+    learner,
+    generator,
+    loader: PromptLoader,
+    sample: Sample,
+    queued: dict[str, torch.Tensor] | None = None,
+):
+    """`queued`: a preempted run's saved rollouts (`queued_state()`), trained on first."""
     k = config.rollout.max_off_policy_steps
     if k == 0:
         return Rollouts(learner, generator, loader, sample)
@@ -184,4 +280,6 @@ def make_rollouts(config: Config, learner, generator, loader: PromptLoader, samp
         off_policy_steps=k,
         is_sync_point=sync_points(config),
         last_step=config.run.steps,
+        group_size=config.rollout.group_size,
+        queued=queued,
     )

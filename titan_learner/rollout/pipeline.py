@@ -15,6 +15,11 @@ thread is parked, waiting for version s, and has drawn no prompt beyond step s. 
 points are known in advance (the config's intervals), never decided by timing. A batch is
 never older than k versions; the staleness of each step, `t - 1 - version(t)`, is reported.
 
+A preemption (SIGTERM) can stop the run between sync points: the thread then finishes every
+rollout it has weights for (those of versions up to the learner's), the checkpoint keeps them
+(`queued()`), and the resumed pipeline starts with them (`queued=`): its next rollout needs
+a version the learner has not reached yet, so the schedule above goes on as if never stopped.
+
 Weights reach the thread as named tensors the learner exported (copies): the thread loads a
 version into the generator just before the rollout that needs it, so the generator is only
 ever touched by one thread, and generation stops only for that copy. A generator that fails
@@ -76,11 +81,18 @@ class RolloutPipeline:
         is_sync_point: Callable[[int], bool],
         start: int,
         last_step: int,
+        queued: Iterable[Produced] = (),
     ) -> None:
         """`start`: the learner's step now (the generator holds its weights); the thread
-        produces steps start + 1 .. last_step."""
+        produces steps start + 1 .. last_step, after the `queued` rollouts a preempted run
+        saved (steps start + 1, start + 2, ...)."""
         if off_policy_steps < 1:
             raise ValueError(f"off_policy_steps must be >= 1, got {off_policy_steps}")
+        done = {produced.step: produced for produced in queued}
+        if sorted(done) != list(range(start + 1, start + 1 + len(done))):
+            raise ValueError(
+                f"queued rollouts must be of steps {start + 1}, ...; got {sorted(done)}"
+            )
         self._produce = produce
         self._load = load_weights
         self._k = off_policy_steps
@@ -89,11 +101,11 @@ class RolloutPipeline:
         self._last_step = last_step
         self._loaded = start  # the version the generator holds
         self._weights: dict[int, NamedTensors | None] = {}
-        self._done: dict[int, Produced] = {}
+        self._done: dict[int, Produced] = done
         self._error: BaseException | None = None
         self._closed = False
         self._waiting_for: int | None = None
-        self._next_step = start + 1
+        self._next_step = start + 1 + len(done)
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="rollouts", daemon=True)
         self._thread.start()
@@ -121,6 +133,11 @@ class RolloutPipeline:
             while self._waiting_for is None and self._next_step <= self._last_step:
                 self._raise_if_failed()
                 self._changed.wait(WAIT_S)
+
+    def queued(self) -> list[Produced]:
+        """The rollouts produced and not yet taken, by step (call it when `parked()`)."""
+        with self._changed:
+            return [self._done[step] for step in sorted(self._done)]
 
     def mark_loaded(self, version: int) -> None:
         """The caller loaded `version` into the generator itself (while the thread was parked)."""
