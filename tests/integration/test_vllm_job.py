@@ -91,6 +91,6 @@ def test_the_engine_samples_one_version_ahead_in_the_pipeline_thread(job):
     ahead = results["ahead"]
     assert [m["staleness_max"] for m in ahead] == [0.0, 1.0, 1.0]
     assert [int(m["policy_version"]) for m in ahead] == [1, 2, 3]
-    assert ahead[0]["logprob_mismatch_max"] < 1e-5  # on-policy: the engine's own weights
-    assert all("logprob_mismatch" not in m for m in ahead[1:])  # stale: the learner moved on
-    assert all(abs(m["kl_approx"]) > 1e-6 for m in ahead[1:])
+    # the engine vs the learner under the same weights, also on stale steps (kept for them) ...
+    assert all(m["logprob_mismatch_max"] < 1e-5 for m in ahead), ahead
+    assert all(abs(m["kl_approx"]) > 1e-6 for m in ahead[1:])  # ... where the learner moved on

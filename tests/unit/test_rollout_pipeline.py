@@ -9,7 +9,12 @@ import time
 import pytest
 import torch
 
-from titan_learner.rollout.pipeline import GeneratorFailed, RolloutPipeline, rollout_version
+from titan_learner.rollout.pipeline import (
+    GeneratorFailed,
+    RolloutPipeline,
+    rollout_version,
+    stale_versions_after,
+)
 
 
 def every(n: int):
@@ -24,6 +29,20 @@ def test_versions_lag_k_and_drain_after_sync_points():
     assert [rollout_version(t, 2, 0, every(100)) for t in range(1, 7)] == [0, 0, 0, 1, 2, 3]
     # a resumed run starts from its step: the first rollout is on-policy
     assert [rollout_version(t, 1, 5, every(100)) for t in range(6, 9)] == [5, 5, 6]
+
+
+def test_the_versions_kept_for_stale_steps_are_those_they_are_sampled_from():
+    """Before the update of `step` (the learner holds step - 1): which versions coming stale
+    steps need, so that their log-prob mismatch is measured under the sampling weights."""
+    never, third = every(100), every(3)
+    # k=1: step t+1 is sampled from t-1, the version the learner holds now
+    assert [stale_versions_after(t, 1, 0, never, 10) for t in (1, 2, 5)] == [{0}, {1}, {4}]
+    # k=2: steps t+1 and t+2 need t-2 and t-1 (one kept before, one now); none past the end
+    assert stale_versions_after(5, 2, 0, never, 10) == {3, 4}
+    assert stale_versions_after(9, 2, 0, never, 10) == {7}
+    assert stale_versions_after(10, 2, 0, never, 10) == set()
+    # after sync point 3 the next step is on-policy; the one after trains on version 3
+    assert [stale_versions_after(t, 1, 0, third, 10) for t in (3, 4)] == [set(), {3}]
 
 
 class FakeGenerator:

@@ -133,8 +133,14 @@ class RolloutSection:
     max_off_policy_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """0: each step samples, trains, then pushes the weights (on-policy). k > 0: a background
     thread samples the coming steps while the learner trains, from weights at most k policy
-    versions old; it drains (on-policy again) after each checkpoint and evaluation, so a resume
-    is exact. Staleness is reported as training/staleness_mean and _max."""
+    versions old; it drains (on-policy again) after each checkpoint and evaluation, and a
+    SIGTERM saves the rollouts sampled ahead, so a resume is exact. Staleness is reported as
+    training/staleness_mean and _max."""
+    stale_logprob_mismatch: bool = True
+    """k > 0: report training/logprob_mismatch on stale steps too, by keeping the weights each
+    stale step was sampled from (a frozen copy of the model, sharded like it, plus one copy per
+    further version in flight) and scoring the batch under them: one forward without gradient
+    per stale step. false: reported on on-policy steps only."""
     model_path: str | None = None
     """vllm only: the HF directory (config.json + safetensors) the engines start from; default:
     [model] hf_checkpoint. Its parameter shapes must be the learner's; the learner's weights

@@ -35,6 +35,8 @@ from titan_learner.ranks import rank
 from titan_learner.rewards.runner import Reward, build_rewards
 
 if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
     from titan_learner.rollout.base import Rollout
 
 BUCKET_BYTES = 64 * 1024**2
@@ -167,6 +169,8 @@ def train_on(
     reference=None,
     push: Callable[[], None] = lambda: None,
     waited_s: float | None = None,
+    on_policy: bool = True,
+    before_update: Callable[[TensorDictBase], dict[str, float]] | None = None,
 ) -> StepResult:
     """Rewards, update (in micro-batches) and `push` (the new weights out) for one rollout.
 
@@ -176,6 +180,11 @@ def train_on(
     With a `reference` (a `ReferenceModel`, for `kl_to_ref_coeff`), its log-probs join each
     micro-batch (already the same within a tensor-parallel group) before its update; that
     forward is timed as part of `update_s`.
+
+    `on_policy=False` (a batch sampled from older weights): the learner's forward measures no
+    engine mismatch, its `logprob_mismatch` is dropped. `before_update(batch)`: metrics
+    measured on the step's batch before the update (job.behaviour: the mismatch of a stale
+    batch under the weights that sampled it); timed as part of `update_s`.
     """
     from titan_learner.job.advantage import group_advantages
     from titan_learner.learner.batch import ATTENTION_MASK_KEY, REF_LOG_PROBS_KEY
@@ -193,6 +202,7 @@ def train_on(
     reward_s = time.perf_counter() - start
 
     start = time.perf_counter()
+    measured = before_update(batch) if before_update is not None else {}
     metrics: dict[str, float] = {}
     # A token budget: the learner splits the whole batch itself (one call, one step).
     budget = config.learner.max_tokens_per_microbatch
@@ -202,6 +212,10 @@ def train_on(
         if reference is not None:  # a collective, per micro-batch (bounded like the update)
             micro.set(REF_LOG_PROBS_KEY, reference.log_probs(micro))
         metrics = {k: float(v) for k, v in learner.update(micro, step_counts=counts).items()}
+    if not on_policy:  # the learner's weights moved on: not an engine mismatch
+        for key in ("logprob_mismatch", "logprob_mismatch_max"):
+            metrics.pop(key, None)
+    metrics.update(measured)
     update_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -283,6 +297,7 @@ def run(config: Config, resume: bool = False, overwrite: bool = False) -> list[d
 def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.checkpoint.async_save import wait_for_pending_save
     from titan_learner.checkpoint.layout import latest
+    from titan_learner.job.behaviour import BehaviourScorer
     from titan_learner.job.evaluation import evaluate
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
@@ -367,6 +382,11 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                 evaluation(0)
             rollouts = make_rollouts(config, learner, generator, loader, take_sample, queued)
             is_sync_point = sync_points(config)
+            scorer = (
+                BehaviourScorer(config, learner, is_sync_point, start=learner.step)
+                if config.rollout.max_off_policy_steps and config.rollout.stale_logprob_mismatch
+                else None
+            )
             started = time.perf_counter()
             for step in range(learner.step + 1, config.run.steps + 1):
                 taken = rollouts.take(step)
@@ -378,10 +398,16 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                     reference,
                     push=lambda step=step: rollouts.push(step),
                     waited_s=taken.waited_s,
+                    on_policy=not taken.staleness,
+                    before_update=(
+                        None
+                        if scorer is None
+                        else lambda batch, step=step, version=taken.version: scorer.before_update(
+                            step, batch, version
+                        )
+                    ),
                 )
-                if taken.staleness:  # the learner's weights moved on: not an engine mismatch
-                    for key in ("logprob_mismatch", "logprob_mismatch_max"):
-                        result.metrics.pop(key, None)
+
                 result.metrics["epoch"] = taken.epoch
                 result.metrics["staleness_mean"] = result.metrics["staleness_max"] = float(
                     taken.staleness

@@ -48,6 +48,8 @@ Sample = Callable[[list, int], "Sampled"]
 class Taken:
     sampled: Sampled
     epoch: float
+    version: int
+    """The policy version that sampled the batch."""
     staleness: int
     """Policy versions between the weights that sampled the batch and those it trains."""
     waited_s: float
@@ -77,7 +79,7 @@ class Rollouts:
 
     def take(self, step: int) -> Taken:
         sampled = self.sample(self.loader.next_step(), step)
-        return Taken(sampled, self.loader.epoch, 0, sampled.seconds)
+        return Taken(sampled, self.loader.epoch, step - 1, 0, sampled.seconds)
 
     def push(self, step: int) -> None:
         from titan_learner.job.grpo import sync_generator
@@ -160,7 +162,7 @@ class OffPolicyRollouts(Rollouts):
         waited = time.perf_counter() - start
         self._before.pop(step, None)
         staleness = step - 1 - produced.version
-        return Taken(produced.value, self._epochs.pop(step), staleness, waited)
+        return Taken(produced.value, self._epochs.pop(step), produced.version, staleness, waited)
 
     def push(self, step: int) -> None:
         """After the update of `step`: its weights to the thread, unless the pipeline drains

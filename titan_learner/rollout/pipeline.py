@@ -48,6 +48,24 @@ def rollout_version(
     return next((s for s in range(step - 1, oldest, -1) if is_sync_point(s)), oldest)
 
 
+def stale_versions_after(
+    step: int,
+    off_policy_steps: int,
+    start: int,
+    is_sync_point: Callable[[int], bool],
+    last_step: int,
+) -> set[int]:
+    """The versions the stale steps after `step` (up to `last_step`) are sampled from, among
+    those the learner holds before the update of `step` or held earlier: only steps up to
+    step + k can be sampled from one of them."""
+    needed = set()
+    for later in range(step + 1, min(step + off_policy_steps, last_step) + 1):
+        version = rollout_version(later, off_policy_steps, start, is_sync_point)
+        if version < later - 1:
+            needed.add(version)
+    return needed
+
+
 class GeneratorFailed(RuntimeError):
     """The rollout generator raised in its thread; the original error is the cause."""
 
