@@ -104,3 +104,16 @@ def test_a_generator_failure_in_its_thread_ends_the_job_with_its_error(tmp_path)
         "an illegal memory access was encountered"
     )
     assert [line["step"] for line in training_lines(tmp_path)] == [1, 2]
+
+
+def two_steps_off_policy(rank: int, root: str) -> list[dict]:
+    return short_run(rank, root, 5, ["rollout.max_off_policy_steps=2", "eval.every_steps=0"])
+
+
+def test_two_steps_off_policy_measures_the_mismatch_under_each_kept_version(tmp_path):
+    """k=2: steps 3-5 train on rollouts two versions old, so two versions are kept at once
+    (one in the frozen model, one as a copy); each stale batch is scored under its own."""
+    [history] = run_world(1, two_steps_off_policy, str(tmp_path))
+    assert [m["staleness_max"] for m in history] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert all(m["logprob_mismatch_max"] < 1e-5 for m in history), history
+    assert all(m["kl_approx"] > 1e-4 for m in history[2:]), [m["kl_approx"] for m in history]

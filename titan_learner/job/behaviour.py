@@ -95,7 +95,10 @@ class BehaviourScorer:
         shards = self._kept.pop(version, None)
         if shards is None:
             return False
-        for mine, kept in zip(self._params(self.frozen.model), shards, strict=True):
+        frozen = self._params(self.frozen.model)
+        if self._held is not None:  # a later step may need it: kept until it is not
+            self._kept[self._held] = [p.clone() for p in frozen]
+        for mine, kept in zip(frozen, shards, strict=True):
             mine.copy_(kept)
         self._held = version
         return True
