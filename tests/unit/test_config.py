@@ -414,6 +414,21 @@ def test_check_command_prints_one_error_line(tmp_path, capsys, case):
     assert re.fullmatch(exact(f"error: {path}: ") + pattern + "\n", err), err
 
 
+def test_check_counts_the_frozen_copies_the_job_holds(capsys):
+    """The KL reference and the weights kept for stale steps are parameter copies per rank."""
+    from titan_learner.cli.check import plan
+
+    config = load_config(DEBUG)
+    assert "frozen" not in plan(config, 1).bytes_per_rank
+    both = ["loss.kl_to_ref_coeff=0.01", "rollout.max_off_policy_steps=2"]
+    memory = plan(load_config(DEBUG, both), 1).bytes_per_rank
+    assert memory["frozen"] == 3 * memory["parameters"]
+    off = [*both, "rollout.stale_logprob_mismatch=false"]
+    assert plan(load_config(DEBUG, off), 1).bytes_per_rank["frozen"] == memory["parameters"]
+    code, out, _ = run_check(capsys, "--config", str(DEBUG), *(f"--set={s}" for s in both))
+    assert code == 0 and re.search(r"\n  frozen +[\d.]+ [KMG]iB\n", out), out
+
+
 def test_check_command_world_size_mismatch(capsys):
     code, out, err = run_check(capsys, "--config", str(DEBUG_FSDP_TP), "--world-size", "2")
     assert (code, out) == (2, "")

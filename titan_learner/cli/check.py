@@ -30,10 +30,20 @@ def plan(config: Config, world_size: int) -> Plan:
     shards = validated.dp_shard * validated.tp
     master = 4 * validated.parameters // shards  # fp32 sharded parameters (FSDP's masters)
     moments = 2 * master  # Adam/AdamW exp_avg and exp_avg_sq
-    return Plan(
-        validated=validated,
-        bytes_per_rank={"parameters": master, "gradients": master, "optimizer": moments},
-    )
+    memory = {"parameters": master, "gradients": master, "optimizer": moments}
+    frozen = frozen_copies(config)
+    if frozen:
+        memory["frozen"] = frozen * master
+    return Plan(validated=validated, bytes_per_rank=memory)
+
+
+def frozen_copies(config: Config) -> int:
+    """Parameter copies the job holds besides the policy, sharded like it: the KL reference,
+    and the weights kept for stale steps' log-prob mismatch (k for k steps off-policy)."""
+    reference = 1 if config.loss.kwargs.get("kl_to_ref_coeff") else 0
+    rollout = config.rollout
+    kept = rollout.max_off_policy_steps if rollout.stale_logprob_mismatch else 0
+    return reference + kept
 
 
 def render(config: Config, p: Plan) -> str:
@@ -45,8 +55,9 @@ def render(config: Config, p: Plan) -> str:
         "",
         f"world size: {v.world_size}   mesh: {mesh}",
         f"parameters: {v.parameters:,} ({v.parameters / 1e9:.2f} B)",
-        "memory per rank (fp32 masters, gradients and Adam moments, sharded over dp_shard x tp; "
-        "activations excluded):",
+        "memory per rank (fp32 masters, gradients and Adam moments, and any frozen copies: the "
+        "KL reference, weights kept for stale steps; sharded over dp_shard x tp; activations "
+        "excluded):",
     ]
     lines += [f"  {k:<10} {_size(n):>12}" for k, n in p.bytes_per_rank.items()]
     lines.append(f"  {'total':<10} {_size(total):>12}")
