@@ -45,11 +45,8 @@ class BehaviourScorer:
         self.frozen = ReferenceModel(config, learner.parallel_dims)
         if isinstance(self.frozen.model, FSDPModule):
             self.frozen.model.set_reshard_after_forward(True)  # so that reshard() may
-        self._k, self._start, self._last = (
-            config.rollout.max_off_policy_steps,
-            start,
-            config.run.steps,
-        )
+        self._k = config.rollout.max_off_policy_steps
+        self._start, self._last = start, config.run.steps
         self._is_sync_point = is_sync_point
         self._held: int | None = None  # the version the frozen model holds
         self._kept: dict[int, list[torch.Tensor]] = {}  # further versions, as shard copies

@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -402,9 +403,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                     before_update=(
                         None
                         if scorer is None
-                        else lambda batch, step=step, version=taken.version: scorer.before_update(
-                            step, batch, version
-                        )
+                        else partial(scorer.before_update, step, version=taken.version)
                     ),
                 )
 

@@ -46,14 +46,18 @@ Sample = Callable[[list, int], "Sampled"]
 
 @dataclass
 class Taken:
+    step: int
     sampled: Sampled
     epoch: float
     version: int
     """The policy version that sampled the batch."""
-    staleness: int
-    """Policy versions between the weights that sampled the batch and those it trains."""
     waited_s: float
     """How long the step waited for it (the whole sampling, when sampled in turn)."""
+
+    @property
+    def staleness(self) -> int:
+        """Policy versions between the weights that sampled the batch and those it trains."""
+        return self.step - 1 - self.version
 
 
 def sync_points(config: Config) -> Callable[[int], bool]:
@@ -79,7 +83,7 @@ class Rollouts:
 
     def take(self, step: int) -> Taken:
         sampled = self.sample(self.loader.next_step(), step)
-        return Taken(sampled, self.loader.epoch, step - 1, 0, sampled.seconds)
+        return Taken(step, sampled, self.loader.epoch, step - 1, sampled.seconds)
 
     def push(self, step: int) -> None:
         from titan_learner.job.grpo import sync_generator
@@ -161,8 +165,7 @@ class OffPolicyRollouts(Rollouts):
         produced = self.pipeline.take(step)
         waited = time.perf_counter() - start
         self._before.pop(step, None)
-        staleness = step - 1 - produced.version
-        return Taken(produced.value, self._epochs.pop(step), produced.version, staleness, waited)
+        return Taken(step, produced.value, self._epochs.pop(step), produced.version, waited)
 
     def push(self, step: int) -> None:
         """After the update of `step`: its weights to the thread, unless the pipeline drains
