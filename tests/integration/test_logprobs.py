@@ -163,12 +163,19 @@ def test_distribution_answers_like_the_dense_one(learner, batch):
     assert log_prob.isfinite().all() and (log_prob[:, ~mask] == 0).all()
 
 
-def test_lm_head_sees_one_chunk_at_a_time(learner, batch):
-    """Forward and backward (recompute) call the lm_head on at most `chunk_size` positions."""
+def test_lm_head_sees_one_chunk_at_a_time(learner, batch, monkeypatch):
+    """Forward and backward (recompute) run the lm_head on at most `chunk_size` positions."""
+    from titan_learner.learner import logprobs
+
     rows = []
-    handle = learner.model.lm_head.register_forward_hook(
-        lambda module, args, out: rows.append(out.shape[0])
-    )
+    full_logits = logprobs._full_logits
+
+    def spy(head, hidden):
+        assert head is learner.model.lm_head
+        rows.append(hidden.shape[0])
+        return full_logits(head, hidden)
+
+    monkeypatch.setattr(logprobs, "_full_logits", spy)
     loss = build_loss(LossSection(), learner.policy)
     try:
         learner.policy.logprob_chunk_size = 7
@@ -176,7 +183,6 @@ def test_lm_head_sees_one_chunk_at_a_time(learner, batch):
         calls_forward = len(rows)
         (out.get("loss_objective") + out.get("loss_entropy")).backward()
     finally:
-        handle.remove()
         learner.policy.logprob_chunk_size = 0
         learner.model.zero_grad(set_to_none=True)
     chunks = math.ceil(SCORED / 7)
@@ -197,15 +203,39 @@ def test_chunked_token_stats_against_log_softmax():
     assert empty.shape == (0, 2) and empty.requires_grad
 
 
+def layouts_and_fsdp_passes(rank: int, layouts: dict) -> dict:
+    """`run_layouts`, and how often one dp_shard=2 update runs each FSDP group's forward and
+    gradient reduction (torch.profiler's FSDP labels)."""
+    from torch.profiler import profile
+
+    from titan_learner.learner.titan import TitanLearner
+
+    results = run_layouts(rank, layouts)
+    learner = TitanLearner.from_config(tiny_config(**layouts["dp_shard=2"]["sections"]))
+    batch = learner.local_batch(batches(1)[0])
+    learner.update(batch)  # FSDP's lazy initialization first
+    with profile() as prof:
+        learner.update(batch)
+    labels = [e.key for e in prof.key_averages() if e.key.startswith("FSDP::")]
+    results["fsdp passes"] = {k: e.count for e in prof.key_averages() if (k := e.key) in labels}
+    return results
+
+
 @pytest.mark.slow
 def test_sharded_chunked_learners_match_dense_local():
-    """FSDP (lm_head called per chunk through its hooks) and TP (vocab-sharded chunks)."""
+    """FSDP (the lm_head a plain matmul on its unsharded weight) and TP (vocab-sharded chunks,
+    the lm_head called through its hooks). Under FSDP the chunks stay in the decoder's pass of
+    the (norm, lm_head) group: one forward and one gradient reduction a step, as every group."""
     chunked = {"learner": {"logprob_chunk_size": 5}}
     layouts = {
         "dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}, **chunked}},
         "tp=2": {"sections": {"parallelism": {"tp": 2, "dp_shard": 1}, **chunked}},
     }
-    rank0, _ = run_world(2, run_layouts, layouts)
+    rank0, _ = run_world(2, layouts_and_fsdp_passes, layouts)
+    passes = rank0.pop("fsdp passes")
+    assert passes["FSDP::pre_forward (norm, lm_head)"] == 1, passes
+    assert passes["FSDP::post_backward_reduce (norm, lm_head)"] == 1, passes
+    assert passes["FSDP::root_pre_forward"] == 1, passes
     local = LocalLearner(tiny_config())
     want = [dict(local.update(b).items()) for b in batches(3)]
     want_weights = dict(local.get_weights(dtype=torch.float32).items())

@@ -8,9 +8,15 @@ position (the token's log-prob and the entropy), and backward recomputes one chu
 time. Peak memory is a few `[chunk, V]` float32 buffers, whatever B * T is, plus the lm_head
 weight gradient (each chunk's part is allocated, then added into the accumulated one).
 
-The lm_head is called as a module, per chunk, so FSDP's hooks gather its weight (and reduce its
-gradient) as for TorchTitan's own chunked loss; under tensor parallelism each chunk's
-vocab-sharded logits are gathered whole. Precision: with float32 weights the chunks' weight
+Where the lm_head's weight is a plain tensor when the chunks run (FSDP has kept it unsharded
+since the decoder's forward: TorchTitan does not reshard its last group after forward), each
+chunk is a plain matmul with it: called as a module after the decoder's forward, the lm_head
+would open a second FSDP pass of its group every step (the root's pre-forward again, a second
+post-backward hook, a second gradient reduce-scatter). The gradient reaches the unsharded
+weight, which the decoder's pass reduces once, after the final norm's backward. Otherwise
+(resharded after forward, or tensor-parallel: a DTensor) the lm_head is called as a module, so
+its hooks gather the weight; under tensor parallelism each chunk's vocab-sharded logits are
+gathered whole. Precision: with float32 weights the chunks' weight
 gradients are summed in float32 (also under autocast, see `_uncached_autocast`); with bf16
 parameters (FSDP param_dtype) they are summed in bf16, so fewer, larger chunks are more exact.
 
@@ -27,7 +33,9 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import distributions as D
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -52,14 +60,28 @@ def _uncached_autocast(device_type: str) -> AbstractContextManager:
     return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 
 
+def _plain_weight(head: Head) -> torch.Tensor | None:
+    """The lm_head's weight if one plain matmul can stand for calling it (see the module
+    docstring): an `nn.Linear` (TorchTitan's, FSDP's wrapper of it) with Linear's own forward,
+    whose weight is not a DTensor now."""
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        return None
+    weight = head.weight
+    return None if isinstance(weight, DTensor) else weight
+
+
 def _full_logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
     """One chunk of float32 logits; a vocab-sharded (tensor-parallel) chunk is gathered whole.
 
     Gathering per chunk moves the same bytes as the dense path's `full_tensor()` but holds one
     chunk, and keeps the log-softmax exact without a vocab-parallel reduction.
     """
+    weight = _plain_weight(head)
     with _uncached_autocast(hidden.device.type):
-        logits = head(hidden)
+        if weight is None:
+            logits = head(hidden)
+        else:  # as FSDP's pre-forward would: inputs in the parameters' dtype
+            logits = F.linear(hidden.to(weight.dtype), weight, head.bias)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     return logits.float()
