@@ -41,6 +41,8 @@ def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
         # step 3 is no sync point: step 4's rollout (from version 2) is queued when it stops
         "preempted": preempted_at(rank, f"{root}/preempted", 5, stop_after=3),
         "after": short_run(rank, f"{root}/preempted", 5, K1, resume=True),
+        # tensor parallel: the kept weights are TP-sharded DTensors, the lm_head a module
+        "tp": short_run(rank, f"{root}/tp", 3, [*K1, "parallelism.tp=2", "parallelism.dp_shard=1"]),
     }
 
 
@@ -48,7 +50,8 @@ def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
 def test_one_step_off_policy_on_two_ranks_resumes_exactly(tmp_path):
     """dp_shard=2, k=1, checkpoints every 2 steps: the pipeline drains after each, so a run
     cut at step 2 and resumed repeats the uninterrupted run step for step; so does one
-    preempted at step 3, between sync points (its queued rollout is in the checkpoint)."""
+    preempted at step 3, between sync points (its queued rollout is in the checkpoint). The
+    stale mismatch also under tensor parallelism (tp=2)."""
     ranks = run_world(2, interrupted_and_whole, str(tmp_path))
     runs = ranks[0]
     whole = runs["whole"]
@@ -66,6 +69,9 @@ def test_one_step_off_policy_on_two_ranks_resumes_exactly(tmp_path):
     for other, mine in zip(ranks[1]["whole"], whole, strict=True):  # metrics are global
         assert other["reward_mean"] == mine["reward_mean"]
     assert [line["step"] for line in training_lines(tmp_path / "cut")] == [1, 2, 3, 4, 5]
+    tp = runs["tp"]
+    assert [m["staleness_max"] for m in tp] == [0.0, 1.0, 0.0]
+    assert all(m["logprob_mismatch_max"] < 1e-5 for m in tp), tp
     # SIGTERM between sync points: the queued rollout of step 4 is saved and trained on
     assert len(runs["preempted"]) == 3 and len(runs["after"]) == 2
     # step 4's weights (version 2) are not in the checkpoint of step 3: no mismatch there
