@@ -42,7 +42,8 @@ class BehaviourScorer:
         self, config: Config, learner, is_sync_point: Callable[[int], bool], start: int
     ) -> None:
         self.learner = learner
-        self.frozen = ReferenceModel(config, learner.parallel_dims)
+        # The learner's weights are copied in before any scoring: no initial state to read.
+        self.frozen = ReferenceModel(config, learner.parallel_dims, initial_weights=False)
         if isinstance(self.frozen.model, FSDPModule):
             self.frozen.model.set_reshard_after_forward(True)  # so that reshard() may
         self._k = config.rollout.max_off_policy_steps

@@ -42,12 +42,15 @@ class ReferenceModel:
     ranks of one tensor-parallel group must pass the same batch.
     """
 
-    def __init__(self, config: Config, dims: ParallelDims | None = None) -> None:
-        """`dims`: the learner's mesh (`TitanLearner.parallel_dims`), to share its groups."""
+    def __init__(
+        self, config: Config, dims: ParallelDims | None = None, initial_weights: bool = True
+    ) -> None:
+        """`dims`: the learner's mesh (`TitanLearner.parallel_dims`), to share its groups.
+        initial_weights=False: weights to be copied in by the caller (not the policy's start)."""
         # Materializing the model draws from the global RNG: keep the learner's stream as it was.
         cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=cuda):
-            built = build_model(config, dims=dims)
+            built = build_model(config, dims=dims, initial_weights=initial_weights)
         self.model = built.model.requires_grad_(False).eval()
         self.device = built.device
         learner = config.learner

@@ -45,6 +45,7 @@ def build_model(
     sharded: bool = True,
     dims: ParallelDims | None = None,
     device: str | None = None,
+    initial_weights: bool = True,
 ) -> BuiltModel:
     """Build the model of `config`; sharded on the default process group (formed if needed).
 
@@ -53,6 +54,8 @@ def build_model(
     its process groups instead of creating new communicators).
     sharded=False: one process, a plain model, no process group (the parity reference).
     device: overrides `[learner] device`.
+    initial_weights=False: the model's own init only, for a model whose weights are copied in
+    later (the job's kept weights versions): no HF checkpoint read, no full state in memory.
     """
     require_hf_checkpoint(config)
     kind = device_type(config, device)
@@ -63,7 +66,11 @@ def build_model(
     spec = model_spec(config.model, attention_backend(config, kind), config.source)
     if sharded:
         prepare_model_config(spec, config)
-    full = full_initial_state(spec, config.model, config.run.seed, config.source)
+    full = (
+        full_initial_state(spec, config.model, config.run.seed, config.source)
+        if initial_weights
+        else None
+    )
     model = build_meta(spec, config.source)
     if sharded:
         model = parallelize(model, spec, dims, config)
@@ -71,5 +78,6 @@ def build_model(
         torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
     )
     materialize(model, place)
-    load_full_state(model, full)
+    if full is not None:
+        load_full_state(model, full)
     return BuiltModel(model=model, spec=spec, dims=dims if sharded else None, device=place)
