@@ -100,16 +100,25 @@ def test_grpo_job_with_kl_reports_the_kl_terms(single):
     assert history[1]["kl_to_ref"] > 0
 
 
-def sharded_reference(rank: int, layouts: dict[str, dict], batch) -> dict[str, torch.Tensor]:
+def sharded_reference(rank: int, layouts: dict[str, dict], batch) -> dict[str, tuple]:
+    """Each layout's log-probs, twice, and how many parameters stay gathered after them."""
+    from torch.distributed.tensor import DTensor
+
     out = {}
     for name, parallelism in layouts.items():
-        out[name] = ReferenceModel(tiny_config(**KL, parallelism=parallelism)).log_probs(batch)
+        reference = ReferenceModel(tiny_config(**KL, parallelism=parallelism))
+        scores = [reference.log_probs(batch) for _ in range(2)]
+        gathered = [n for n, p in reference.model.named_parameters() if not isinstance(p, DTensor)]
+        out[name] = (*scores, gathered)
     return out
 
 
 @pytest.mark.slow
 def test_sharded_reference_equals_one_process(single):
+    """... and keeps no gathered weight between calls (a full lm_head per rank, otherwise)."""
     layouts = {"dp_shard=2": {"dp_shard": 2}, "tp=2": {"tp": 2, "dp_shard": 1}}
     for rank_out in run_world(2, sharded_reference, layouts, single["batch"]):
-        for name, ref in rank_out.items():
-            torch.testing.assert_close(ref, single["ref"], atol=1e-5, rtol=0, msg=name)
+        for name, (first, second, gathered) in rank_out.items():
+            torch.testing.assert_close(first, single["ref"], atol=1e-5, rtol=0, msg=name)
+            assert torch.equal(first, second), name
+            assert gathered == [], (name, gathered)

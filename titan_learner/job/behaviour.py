@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDictBase
-from torch.distributed.fsdp import FSDPModule
 
 from titan_learner.job.collectives import gather_over
 from titan_learner.job.reference import ReferenceModel
@@ -44,8 +43,6 @@ class BehaviourScorer:
         self.learner = learner
         # The learner's weights are copied in before any scoring: no initial state to read.
         self.frozen = ReferenceModel(config, learner.parallel_dims, initial_weights=False)
-        if isinstance(self.frozen.model, FSDPModule):
-            self.frozen.model.set_reshard_after_forward(True)  # so that reshard() may
         self._k = config.rollout.max_off_policy_steps
         self._start, self._last = start, config.run.steps
         self._is_sync_point = is_sync_point
@@ -67,12 +64,8 @@ class BehaviourScorer:
         return metrics
 
     def _params(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The parameters, sharded: a forward without backward (the frozen model's) leaves
-        FSDP2 groups that do not reshard after forward, or whose last module the chunked
-        log-prob path never calls (the final norm and lm_head), unsharded until asked."""
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        """The parameters, sharded (as both models are between steps: the learner's after its
+        backward, the frozen one's after `log_probs`), so copies are of each rank's shards."""
         return [p.detach() for p in model.parameters()]
 
     @torch.no_grad()

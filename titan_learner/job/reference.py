@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDictBase
+from torch.distributed.fsdp import FSDPModule
 
 from titan_learner.dtypes import DTYPES
 from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY
@@ -52,6 +53,8 @@ class ReferenceModel:
         with torch.random.fork_rng(devices=cuda):
             built = build_model(config, dims=dims, initial_weights=initial_weights)
         self.model = built.model.requires_grad_(False).eval()
+        if isinstance(self.model, FSDPModule):  # see `_reshard`
+            self.model.set_reshard_after_forward(True)
         self.device = built.device
         learner = config.learner
         self.policy = TitanPolicy(
@@ -74,8 +77,20 @@ class ReferenceModel:
         attention = batch.get(ATTENTION_MASK_KEY).to(self.device)
         with torch.autocast(**self._autocast):
             if self.policy.logprob_chunk_size:  # no [B, T, V] logits; 0 off the mask
-                return self.policy.token_dist(tokens, attention, attention).log_prob(tokens)
+                scored = self.policy.token_dist(tokens, attention, attention).log_prob(tokens)
+                self._reshard()
+                return scored
             logits = self.policy.token_logits(tokens, attention)
+        self._reshard()
         targets = torch.where(attention, tokens, 0).unsqueeze(-1)  # padding ids may be anything
         scored = logits.log_softmax(-1).gather(-1, targets).squeeze(-1)
         return torch.where(attention, scored, 0.0)
+
+    def _reshard(self) -> None:
+        """Free the gathered weights: a forward without backward leaves FSDP groups unsharded
+        (TorchTitan's last group, which does not reshard after forward, and the lm_head the
+        chunked path calls after the decoder's forward) until asked, a full lm_head per rank.
+        With reshard after forward set on every group, `reshard()` may release them."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
