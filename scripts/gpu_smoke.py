@@ -4,9 +4,10 @@ numbers and exiting non-zero when the check fails (never "skipped" with exit 0).
     python scripts/gpu_smoke.py env                 # CUDA and every import the smoke needs
     python scripts/gpu_smoke.py parity [--device D] # 3 GRPO updates on D against the CPU reference
     python scripts/gpu_smoke.py chunked [--device D] # chunked log-probs against dense, on D
-    python scripts/gpu_smoke.py job DIR [--device D] [--steps N] # the toy job, metrics checked
+    python scripts/gpu_smoke.py job DIR [--device D] [--steps N] [--off-policy-steps K]
+                                                    # the toy job, metrics checked
 
---device cpu rehearses parity and chunked on a machine without a GPU (the numbers then say
+--device cpu rehearses parity, chunked and job on a machine without a GPU (the numbers then say
 nothing about CUDA); the smoke itself always passes cuda.
 """
 
@@ -140,8 +141,13 @@ def chunked(device: str) -> int:
     return compare("chunked", device, chunks, trained(device, steps=2), start)
 
 
-def job(directory: str, device: str, steps: int) -> int:
-    """The embedded default through the command line users run, then its metrics.jsonl."""
+def job(directory: str, device: str, steps: int, off_policy_steps: int = 0) -> int:
+    """The embedded default through the command line users run, then its metrics.jsonl.
+
+    With `off_policy_steps` k > 0 (check `job_k`): rollouts sampled ahead in a thread; the
+    trainer-vs-generator mismatch must be reported on every step, stale ones included. Both
+    report their mean tokens/s, the number to compare before the GPU configs default to k = 1.
+    """
     import math
     from pathlib import Path
 
@@ -154,6 +160,7 @@ def job(directory: str, device: str, steps: int) -> int:
         "learner.device": f'"{device}"',
         "eval.every_steps": 0,
         "checkpoint.interval": steps,
+        "rollout.max_off_policy_steps": off_policy_steps,
     }
     argv = ["train", "--config", "configs/toy_grpo.toml", "--overwrite"]
     code = cli(argv + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
@@ -161,9 +168,12 @@ def job(directory: str, device: str, steps: int) -> int:
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     train = [r for r in rows if "training/reward_mean" in r]
     finite = all(math.isfinite(v) for r in train for v in r.values() if isinstance(v, (int, float)))
+    mismatch = [r.get("training/logprob_mismatch_max") for r in train]
+    every_step = bool(train) and None not in mismatch
+    later = [r["training/tokens_per_s"] for r in train[1:]]  # the first step warms up
     return report(
-        "job",
-        code == 0 and len(train) == steps and finite,
+        "job" if off_policy_steps == 0 else f"job_k{off_policy_steps}",
+        code == 0 and len(train) == steps and finite and every_step,
         device=device,
         exit_code=code,
         steps=len(train),
@@ -171,6 +181,10 @@ def job(directory: str, device: str, steps: int) -> int:
         reward_first=train[0]["training/reward_mean"] if train else None,
         reward_last=train[-1]["training/reward_mean"] if train else None,
         update_s=train[-1].get("training/update_s") if train else None,
+        tokens_per_s=sum(later) / len(later) if later else None,
+        staleness_max=max((r["training/staleness_max"] for r in train), default=None),
+        logprob_mismatch_max=max(mismatch) if every_step else None,
+        mismatch_every_step=every_step,
         seconds=round(time.perf_counter() - start, 1),
     )
 
@@ -181,6 +195,7 @@ def main() -> int:
     parser.add_argument("directory", nargs="?", default="outputs/gpu_smoke/toy")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--off-policy-steps", type=int, default=0, help="job: max_off_policy_steps")
     args = parser.parse_args()
     if args.check == "env":
         return env()
@@ -189,7 +204,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         return report(args.check, False, error="no CUDA device")
     if args.check == "job":
-        return job(args.directory, args.device, args.steps)
+        return job(args.directory, args.device, args.steps, args.off_policy_steps)
     return parity(args.device) if args.check == "parity" else chunked(args.device)
 
 

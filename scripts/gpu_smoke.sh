@@ -17,6 +17,8 @@
 #   step     scripts/bench_step.py, a ~190M model in bf16 with flex attention and compile: the
 #            learner/bare-TorchTitan ratio
 #   job      20 steps of the embedded default on CUDA, through `titan_learner train`
+#   job_k1   the same one step off-policy: the log-prob mismatch on every step, tokens/s
+#            against job's (the measurement the GPU configs' k = 1 default waits for)
 #   chunked  chunked log-probs against dense ones, on CUDA
 # Numbers go to $OUT/gpu_smoke.jsonl (OUT: the lent machine's output folder; else
 # outputs/gpu_smoke), each check's log beside it.
@@ -78,6 +80,7 @@ check step 200 "$PYTHON" scripts/bench_step.py --config configs/debug.toml \
     --set model.overrides.hidden_dim=4096 --set model.overrides.vocab_size=32000 \
     --set run.seq_len=2048 --set run.batch_size=4 --set compile.enable=true --steps 5 --warmup 2
 check job 150 "$PYTHON" scripts/gpu_smoke.py job "$OUT_DIR/toy" --steps 20
+check job_k1 100 "$PYTHON" scripts/gpu_smoke.py job "$OUT_DIR/toy_k1" --steps 20 --off-policy-steps 1
 check chunked 60 "$PYTHON" scripts/gpu_smoke.py chunked
 
 if ((${#failed[@]})); then
