@@ -25,6 +25,7 @@ from tests.support.checkpoint_scenarios import (
     SAVE_AT,
     SKIP_TIMEOUT_S,
     STEPS,
+    flip_one_bit,
     killed_while_saving,
     snapshot,
     train,
@@ -213,29 +214,13 @@ def test_corrupted_shard_is_named_and_nothing_is_loaded(saved, tmp_path):
     assert_same_tensors(snapshot(learner)["weights"], before["weights"])
 
 
-def flip_one_bit_of(path, key_prefix: str) -> str:
-    """Flip one bit in the middle of the first record whose key starts with `key_prefix`: a raw
-    tensor record is the tensor's bytes, so it still decodes, to a different value; only its
-    checksum can tell."""
-    from titan_learner.checkpoint.records import RAW
-    from titan_learner.checkpoint.safe_read import read_metadata
-
-    metadata = read_metadata(path)
-    index, info = next(
-        (i, v) for i, v in metadata.storage_data.items() if i.fqn.startswith(key_prefix)
-    )
-    assert info.transform_descriptors == [RAW]
-    file = path / info.relative_path
-    data = bytearray(file.read_bytes())
-    data[info.offset + info.length // 2] ^= 0x01
-    file.write_bytes(bytes(data))
-    return index.fqn
-
-
 @pytest.mark.parametrize("prefix", ["model.", "optimizer.state.tok_embeddings.weight.exp_avg"])
 def test_one_flipped_bit_in_a_weight_or_optimizer_record_is_caught(saved, tmp_path, prefix):
+    from titan_learner.checkpoint.records import RAW
+
     path = damaged_copy(saved, tmp_path)
-    key = flip_one_bit_of(path, prefix)
+    key, info = flip_one_bit(path, lambda index, _: index.fqn.startswith(prefix))
+    assert info.transform_descriptors == [RAW]  # a raw record: it still decodes
     learner = LocalLearner(tiny_config())
     before = snapshot(learner)
     with pytest.raises(CheckpointError) as info:

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.support.checkpoint_scenarios import snapshot, train
+from tests.support.checkpoint_scenarios import flip_one_bit, snapshot, train
 from tests.support.models import batches, tiny_config
 from titan_learner.checkpoint import layout, safe_read, save_load
 from titan_learner.checkpoint.errors import CheckpointError
@@ -114,14 +114,8 @@ def test_a_checkpoint_of_torch_save_records_resumes_exactly_and_verified(tmp_pat
     assert train(resumed, data[2:]) == expected
     for part in ("weights", "moments"):
         assert_same_state(snapshot(resumed)[part], snapshot(learner)[part])
-    index, info = next(
-        (i, v) for i, v in metadata.storage_data.items() if i.fqn.startswith("optimizer.state.")
-    )
-    shard = path / info.relative_path
-    data_bytes = bytearray(shard.read_bytes())
-    data_bytes[info.offset + info.length // 2] ^= 0x01
-    shard.write_bytes(bytes(data_bytes))
-    with pytest.raises(CheckpointError, match=rf"record '{index.fqn}' in __0_0\.distcp is corrupt"):
+    key, _ = flip_one_bit(path, lambda index, _: index.fqn.startswith("optimizer.state."))
+    with pytest.raises(CheckpointError, match=rf"record '{key}' in __0_0\.distcp is corrupt"):
         load(LocalLearner(tiny_config()), path)
 
 
@@ -146,11 +140,6 @@ def test_without_populate_read_the_records_are_read_and_still_verified(tmp_path,
     resumed = LocalLearner(tiny_config())
     load(resumed, tmp_path)
     assert_same_state(snapshot(resumed)["weights"], snapshot(learner)["weights"])
-    metadata = read_metadata(path)
-    index, info = next((i, v) for i, v in metadata.storage_data.items() if v.transform_descriptors)
-    shard = path / info.relative_path
-    data = bytearray(shard.read_bytes())
-    data[info.offset + info.length // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"record '{index.fqn}' in __0_0\.distcp is corrupt"):
+    key, _ = flip_one_bit(path, lambda _, info: bool(info.transform_descriptors))
+    with pytest.raises(CheckpointError, match=rf"record '{key}' in __0_0\.distcp is corrupt"):
         load(LocalLearner(tiny_config()), path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,21 @@ SAVE_AT = 2
 STEPS = 4
 SKIP_TIMEOUT_S = 5.0
 FULL_AC_FSDP = {"parallelism": {"dp_shard": 2}, "activation_checkpoint": {"mode": "full"}}
+
+
+def flip_one_bit(path: Path, chosen: Callable[[Any, Any], bool]) -> tuple[str, Any]:
+    """Flip one bit in the middle of the first record `chosen(index, storage_info)` picks;
+    its key and storage info. A raw tensor record is the tensor's bytes, so it still decodes,
+    to a different value: only its checksum can tell."""
+    from titan_learner.checkpoint.safe_read import read_metadata
+
+    storage = read_metadata(path).storage_data.items()
+    index, info = next((i, v) for i, v in storage if chosen(i, v))
+    file = path / info.relative_path
+    data = bytearray(file.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    return index.fqn, info
 
 
 def train(learner: Learner, data: list[TensorDictBase]) -> list[dict[str, float]]:
