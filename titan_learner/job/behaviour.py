@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDictBase
 
-from titan_learner.job.collectives import gather_over
 from titan_learner.job.reference import ReferenceModel
 from titan_learner.learner.batch import ATTENTION_MASK_KEY, LOG_PROBS_KEY
+from titan_learner.learner.normalization import sums_and_maxima_over
 from titan_learner.rollout.pipeline import stale_versions_after
 
 if TYPE_CHECKING:
@@ -101,11 +101,13 @@ class BehaviourScorer:
         behaviour = batch.get(LOG_PROBS_KEY).to(device)
         sampled = torch.isfinite(behaviour) & batch.get(ATTENTION_MASK_KEY).to(device)
         gap = (scored - behaviour)[sampled].abs().double()
-        largest = gap.max() if gap.numel() else gap.new_zeros(())
-        stats = torch.stack([gap.sum(), gap.new_tensor(float(gap.numel())), largest])
-        every = gather_over(stats, self.learner.data_parallel_group, device).reshape(-1, 3)
-        tokens = float(every[:, 1].sum())
+        sums, maxima = sums_and_maxima_over(
+            self.learner.data_parallel_group,
+            device,
+            {"gap": float(gap.sum()), "tokens": float(gap.numel())},
+            {"gap": float(gap.max()) if gap.numel() else 0.0},
+        )
         return {
-            "logprob_mismatch": float(every[:, 0].sum()) / max(tokens, 1.0),
-            "logprob_mismatch_max": float(every[:, 2].max()),
+            "logprob_mismatch": sums["gap"] / max(sums["tokens"], 1.0),
+            "logprob_mismatch_max": maxima["gap"],
         }

@@ -41,6 +41,7 @@ from titan_learner.learner.normalization import (
     WindowMetrics,
     metric_terms,
     micro_batch_counts,
+    sums_and_maxima_over,
     term_kind,
 )
 from titan_learner.learner.optimizer import build_lr_scheduler, build_optimizer
@@ -325,26 +326,8 @@ class Learner:
     def _reduce(
         self, sums: dict[str, float], maxima: dict[str, float] | None = None
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """`sums` summed and `maxima` maximized over data-parallel ranks, in one all-reduce.
-
-        Each rank writes its maxima into a slot of its own, zeros elsewhere; the summed slots
-        hold every rank's maxima, maximized locally. A no-op without data parallelism.
-        """
-        maxima = maxima or {}
-        if self.data_parallel_group is None:
-            return dict(sums), dict(maxima)
-        group = self.data_parallel_group
-        size, here = dist.get_world_size(group), dist.get_rank(group)
-        slots = torch.zeros(size, len(maxima), dtype=torch.float64)
-        slots[here] = torch.tensor(list(maxima.values()), dtype=torch.float64)
-        local = torch.cat([torch.tensor(list(sums.values()), dtype=torch.float64), slots.flatten()])
-        local = local.to(self.device)
-        dist.all_reduce(local, group=group)
-        values = local.tolist()
-        summed = dict(zip(sums, values[: len(sums)], strict=True))
-        columns = torch.tensor(values[len(sums) :], dtype=torch.float64).view(size, len(maxima))
-        largest = dict(zip(maxima, columns.max(0).values.tolist(), strict=True))
-        return summed, largest
+        """`sums` summed and `maxima` maximized over data-parallel ranks, in one all-reduce."""
+        return sums_and_maxima_over(self.data_parallel_group, self.device, sums, maxima)
 
     def _window_position(self) -> int:
         """Micro-batches into the current accumulation window (0: the window just closed)."""

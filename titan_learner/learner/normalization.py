@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -225,3 +226,30 @@ class WindowMetrics:
         means.update((k, v if math.isfinite(v) else 0.0) for k, v in largest.items())
         values = torch.tensor(list(means.values()), dtype=torch.float32).unbind()
         return TensorDict(dict(zip(means, values, strict=True)), batch_size=[])
+
+
+def sums_and_maxima_over(
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    sums: Mapping[str, float],
+    maxima: Mapping[str, float] | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`sums` summed and `maxima` maximized over `group`'s ranks, in one all-reduce.
+
+    Each rank writes its maxima into a slot of its own, zeros elsewhere; the summed slots hold
+    every rank's maxima, maximized locally. A no-op without a group (no data parallelism).
+    """
+    maxima = maxima or {}
+    if group is None:
+        return dict(sums), dict(maxima)
+    size, here = dist.get_world_size(group), dist.get_rank(group)
+    slots = torch.zeros(size, len(maxima), dtype=torch.float64)
+    slots[here] = torch.tensor(list(maxima.values()), dtype=torch.float64)
+    local = torch.cat([torch.tensor(list(sums.values()), dtype=torch.float64), slots.flatten()])
+    local = local.to(device)
+    dist.all_reduce(local, group=group)
+    values = local.tolist()
+    summed = dict(zip(sums, values[: len(sums)], strict=True))
+    columns = torch.tensor(values[len(sums) :], dtype=torch.float64).view(size, len(maxima))
+    largest = dict(zip(maxima, columns.max(0).values.tolist(), strict=True))
+    return summed, largest
