@@ -27,7 +27,11 @@ from titan_learner.learner.batch import (
     check_batch,
 )
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.logprobs import ChunkedTokenCategorical, chunked_token_stats
+from titan_learner.learner.logprobs import (
+    ChunkedTokenCategorical,
+    TokenScorer,
+    chunked_token_stats,
+)
 from titan_learner.learner.losses import build_loss
 from titan_learner.learner.policy import TitanPolicy
 
@@ -201,6 +205,28 @@ def test_chunked_token_stats_against_log_softmax():
     torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1))
     empty, _ = chunked_token_stats(hidden[:0], targets[:0], head, 4, with_entropy=False)
     assert empty.shape == (0, 2) and empty.requires_grad
+
+
+def test_the_scored_tokens_log_probs_are_zero_at_ignore_index():
+    """`log_prob` of the very tensor the distribution scored (what TorchRL's losses pass, read
+    without a comparison) answers like any equal tensor: 0 off the mask and at ignore_index."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 9, (2, 5), generator=generator)
+    tokens[1, 3] = -100
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    positions = mask.reshape(-1).nonzero().squeeze(1)
+    scorer = TokenScorer(
+        hidden=torch.randn(len(positions), 6, generator=generator),
+        unscored=torch.zeros(len(positions), dtype=torch.bool),
+        positions=positions,
+        head=torch.nn.Linear(6, 9, bias=False),
+        vocab_size=9,
+        chunk_size=3,
+    )
+    dist = ChunkedTokenCategorical(scorer, tokens, mask)
+    scored = dist.log_prob(tokens)
+    torch.testing.assert_close(scored, dist.log_prob(tokens.clone()))
+    assert scored[1, 3] == 0 and (scored[~mask] == 0).all() and (scored[mask].ne(0).sum() == 6)
 
 
 def layouts_and_fsdp_passes(rank: int, layouts: dict) -> dict:

@@ -45,6 +45,17 @@ def check_batch(
 ) -> TensorDictBase:
     """Validate `batch` and return it (on `device`, when given) with the advantage shaped as
     TorchRL's loss wants it. The value checks cost one host synchronization."""
+    return check_and_count(batch, vocab_size, needs_ref_log_probs, device)[0]
+
+
+def check_and_count(
+    batch: TensorDictBase,
+    vocab_size: int,
+    needs_ref_log_probs: bool,
+    device: torch.device | None = None,
+) -> tuple[TensorDictBase, int]:
+    """`check_batch`, and the number of trained tokens (response positions with a finite
+    behaviour log-prob, what the loss masks in), read in the same host synchronization."""
     if not isinstance(batch, TensorDictBase):
         raise BatchError(f"update() takes a TensorDict, got {type(batch).__name__}")
     required = (*REQUIRED_KEYS, REF_LOG_PROBS_KEY) if needs_ref_log_probs else REQUIRED_KEYS
@@ -81,20 +92,21 @@ def check_batch(
     if device is not None and tokens.device != device:
         batch = batch.to(device)
         tokens = batch.get(TOKENS_KEY)
-    attention = batch.get(ATTENTION_MASK_KEY)
+    attention, assistant = batch.get(ATTENTION_MASK_KEY), batch.get(ASSISTANT_MASK_KEY)
     limits = torch.iinfo(tokens.dtype)
     checks = (
         torch.stack(
             [
-                (batch.get(ASSISTANT_MASK_KEY) & ~attention).any().to(tokens.dtype),
+                (assistant & ~attention).any().to(tokens.dtype),
                 torch.where(attention, tokens, limits.max).min(),  # over real tokens only
                 torch.where(attention, tokens, limits.min).max(),
+                trained_tokens(assistant, batch.get(LOG_PROBS_KEY)).to(tokens.dtype),
             ]
         )
         if tokens.numel()
-        else torch.tensor([0, 0, 0])
+        else torch.tensor([0, 0, 0, 0])
     )
-    on_padding, lowest, highest = checks.tolist()
+    on_padding, lowest, highest, trained = checks.tolist()
     if on_padding:
         raise BatchError(
             f"{_fmt(ASSISTANT_MASK_KEY)} marks padding positions; it must be a subset of "
@@ -116,7 +128,12 @@ def check_batch(
         )
     out = batch.clone(recurse=False)
     out.set(ADVANTAGE_KEY, advantage.float())
-    return out
+    return out, trained
+
+
+def trained_tokens(assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """How many positions the loss trains: response tokens with a finite behaviour log-prob."""
+    return (assistant_mask & torch.isfinite(log_probs)).sum()
 
 
 def synthetic_batch(

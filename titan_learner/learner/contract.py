@@ -26,7 +26,7 @@ from torchrl.trainers.trainers import OptimizationStepper
 from titan_learner.checkpoint.packing import pack_param_groups, unpack_param_groups
 from titan_learner.config.schema import Config
 from titan_learner.dtypes import DTYPES
-from titan_learner.learner.batch import check_batch
+from titan_learner.learner.batch import check_and_count
 from titan_learner.learner.guards import (
     OptimizerCoverageCheck,
     load_loss_own_state,
@@ -39,6 +39,7 @@ from titan_learner.learner.normalization import (
     MetricTerms,
     StepNormalization,
     WindowMetrics,
+    counts_of,
     metric_terms,
     micro_batch_counts,
     sums_and_maxima_over,
@@ -162,22 +163,19 @@ class Learner:
         self.loss_module.logprob_mismatch = None  # set by this forward (losses.LogProbMismatch)
         self.loss_module.positions_per_token = None  # and this (losses.TokenMeanDiagnostics)
         self.loss_module.tis_truncated = None  # and this (losses.TruncatedImportanceSampling)
-        out = module(batch)
-        out = out.to_tensordict() if hasattr(out, "to_tensordict") else out
+        out = dict(module(batch).items())  # edited as a dict: a TensorDict once, at the end
         if self.loss_module.tis_truncated is not None:
-            out.set("tis_truncated", self.loss_module.tis_truncated)
+            out["tis_truncated"] = self.loss_module.tis_truncated
         token_mean_diagnostics(out, self.loss_module)
         if self.loss_module.logprob_mismatch is not None:
-            mean, largest = self.loss_module.logprob_mismatch
-            out.set("logprob_mismatch", mean)
-            out.set("logprob_mismatch_max", largest)
-        loss_keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss")]
+            out["logprob_mismatch"], out["logprob_mismatch_max"] = self.loss_module.logprob_mismatch
+        loss_keys = [k for k in out if isinstance(k, str) and k.startswith("loss")]
         if not loss_keys:
             raise RuntimeError(
                 f"{type(self.loss_module).__name__} returned no key starting with 'loss' "
-                f"(got {sorted(map(str, out.keys()))}); the learner trains on their sum"
+                f"(got {sorted(map(str, out))}); the learner trains on their sum"
             )
-        total = sum(out.get(k) for k in loss_keys)
+        total = sum(out[k] for k in loss_keys)
         if total.numel() != 1:
             raise ValueError(
                 f"the summed loss has shape {tuple(total.shape)}, not a scalar: the loss module "
@@ -185,11 +183,11 @@ class Learner:
                 "not 'none')"
             )
         for key in loss_keys:  # TorchRL's prompt_mean reduces to shape [1]: one value all the same
-            out.set(key, out.get(key).reshape(()))
+            out[key] = out[key].reshape(())
         finite, summed = self._agree(torch.isfinite(total.detach()))
         if not finite:
             for key in loss_keys:
-                out.set(key, out.get(key) * torch.nan)
+                out[key] = out[key] * torch.nan
         if self._in_update:  # see titan_learner.learner.normalization
             self._terms = metric_terms(out)
             accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
@@ -197,8 +195,8 @@ class Learner:
                 summed, self.capabilities.data_parallel_size, accumulation
             )
             for key in loss_keys:
-                out.set(key, out.get(key) * scales[term_kind(self.loss_module, key)])
-        return out
+                out[key] = out[key] * scales[term_kind(self.loss_module, key)]
+        return TensorDict(out, batch_size=[])
 
     # -- the contract -------------------------------------------------------------------------
 
@@ -225,10 +223,11 @@ class Learner:
         that closed a window. Every rank must call it.
         """
         needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
-        batch = check_batch(batch, self.vocab_size, needs_ref, self.device)
+        batch, trained = check_and_count(batch, self.vocab_size, needs_ref, self.device)
         budget = self.config.learner.max_tokens_per_microbatch
         if not budget:
-            return self._report(*self._update_one(batch, step_counts))
+            counts = counts_of(trained, batch.batch_size[0])
+            return self._report(*self._update_one(batch, step_counts, counts))
         one_window = getattr(self.stepper, "one_window", None)
         if one_window is None or self.config.learner.grad_accum_steps != 1 or step_counts:
             raise ValueError(

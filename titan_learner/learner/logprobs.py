@@ -136,14 +136,16 @@ def chunked_token_stats(
 class TokenScorer:
     """Scores the masked positions of a `[B, T]` batch from the hidden states that predict them.
 
-    `hidden[i]` is the decoder output one position before the i-th masked position (row-major
-    over the mask). Positions with `unscored[i]` are first in their sequence: the shifted
-    convention gives them all-zero logits, i.e. a uniform distribution, which is reproduced here
-    as constants so the results equal the dense path's.
+    `hidden[i]` is the decoder output one position before the i-th masked position, whose
+    index in the flattened `[B * T]` batch is `positions[i]` (row-major over the mask).
+    Positions with `unscored[i]` are first in their sequence: the shifted convention gives them
+    all-zero logits, i.e. a uniform distribution, which is reproduced here as constants so the
+    results equal the dense path's.
     """
 
     hidden: torch.Tensor
     unscored: torch.Tensor
+    positions: torch.Tensor
     head: Head
     vocab_size: int
     chunk_size: int
@@ -215,9 +217,12 @@ class ChunkedTokenCategorical(D.Distribution):
         self._tokens = tokens
         self._mask = mask
         self.ignore_index = ignore_index
-        targets = tokens[mask].clamp_min(0).unsqueeze(-1)  # ignore_index scores as 0 anyway
-        token, entropy = scorer.stats(targets, with_entropy)
-        self._log_probs = self._scatter(token.squeeze(-1))
+        scored = tokens.reshape(-1).index_select(0, scorer.positions)
+        token, entropy = scorer.stats(scored.clamp_min(0).unsqueeze(-1), with_entropy)
+        # The log-probs of `tokens` themselves, as `log_prob(tokens)` returns them: 0 at
+        # ignore_index as well as off the mask.
+        token = torch.where(scored == ignore_index, 0.0, token.squeeze(-1))
+        self._log_probs = self._scatter(token)
         self._entropy = None if entropy is None else self._scatter(entropy)
         super().__init__(
             batch_shape=mask.shape,
@@ -228,8 +233,8 @@ class ChunkedTokenCategorical(D.Distribution):
     def _scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Values `[*S, N]` of the masked positions into `[*S, B, T]`, zeros elsewhere."""
         lead = values.shape[:-1]
-        mask = self._mask.expand(*lead, *self._mask.shape)
-        return values.new_zeros(mask.shape).masked_scatter(mask, values)
+        flat = values.new_zeros(*lead, self._mask.numel())
+        return flat.index_copy(-1, self._scorer.positions, values).view(*lead, *self._mask.shape)
 
     @property
     def mask(self) -> torch.Tensor:
@@ -242,6 +247,8 @@ class ChunkedTokenCategorical(D.Distribution):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """Log-probs of `value` `[*S, B, T]`: 0 off the mask and at `ignore_index`."""
+        if value is self._tokens:  # what TorchRL's losses pass: no comparison, no host sync
+            return self._log_probs
         keep = self._mask & (value != self.ignore_index)
         if value.shape == self._tokens.shape and bool(((value == self._tokens) | ~keep).all()):
             return torch.where(keep, self._log_probs, 0.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,10 +61,13 @@ class LogProbMismatch:
 
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
-        with torch.no_grad():
-            gap = log_weight.detach().reshape(mask.shape)[mask].abs().float()
-            zero = gap.new_zeros(())
-            self.logprob_mismatch = (gap.mean(), gap.max()) if gap.numel() else (zero, zero)
+        with torch.no_grad():  # masked, not indexed: a boolean index costs a host sync on GPUs
+            gap = torch.where(mask, log_weight.detach().reshape(mask.shape).abs(), 0.0).float()
+            if gap.numel():  # gaps are >= 0, so the zeros off the mask leave the max alone
+                count = mask.sum().clamp_min(1)
+                self.logprob_mismatch = (gap.sum() / count, gap.amax())
+            else:
+                self.logprob_mismatch = (gap.new_zeros(()), gap.new_zeros(()))
         return log_weight, dist, kl_approx, mask
 
 
@@ -114,14 +118,15 @@ class TokenMeanDiagnostics:
         return log_weight, dist, kl_approx, mask
 
 
-def token_mean_diagnostics(out: Any, loss_module: nn.Module) -> None:
-    """Rescale the padded-position means of `out` in place to trained-token means."""
+def token_mean_diagnostics(out: MutableMapping[str, Any], loss_module: nn.Module) -> None:
+    """Rescale the padded-position means of `out` (a loss output as a dict) in place to
+    trained-token means."""
     scale = getattr(loss_module, "positions_per_token", None)
     if scale is None:
         return
     for key in TOKEN_DIAGNOSTICS:
-        if key in out.keys():
-            out.set(key, out.get(key) * scale)
+        if key in out:
+            out[key] = out[key] * scale
 
 
 @functools.cache

@@ -25,13 +25,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY
+from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, trained_tokens
 
 TOKENS, ROWS, CALLS = "tokens", "rows", "calls"
 KINDS = (TOKENS, ROWS, CALLS)
@@ -42,8 +43,13 @@ MAX_SUFFIX = "_max"  # a diagnostic reported as its largest value, not a weighte
 def micro_batch_counts(batch: TensorDictBase) -> dict[str, float]:
     """What one micro-batch holds: trained tokens (response positions with a behaviour
     log-prob, the positions the loss masks in), rows, and one call."""
-    trained = batch.get(ASSISTANT_MASK_KEY) & torch.isfinite(batch.get(LOG_PROBS_KEY))
-    return {TOKENS: float(trained.sum()), ROWS: float(batch.batch_size[0]), CALLS: 1.0}
+    trained = trained_tokens(batch.get(ASSISTANT_MASK_KEY), batch.get(LOG_PROBS_KEY))
+    return counts_of(float(trained), batch.batch_size[0])
+
+
+def counts_of(tokens: float, rows: int) -> dict[str, float]:
+    """The counts of a micro-batch of `rows` rows that trains `tokens` tokens."""
+    return {TOKENS: float(tokens), ROWS: float(rows), CALLS: 1.0}
 
 
 def step_counts(micro_batches: Iterable[TensorDictBase]) -> dict[str, float]:
@@ -164,12 +170,17 @@ class MetricTerms:
         return dict(zip(self.keys, self.stacked.tolist(), strict=True))
 
 
-def metric_terms(out: TensorDictBase) -> MetricTerms:
-    """The floating-point entries of a loss output, each reduced to a scalar, in one tensor."""
-    keys = [k for k in out.keys() if isinstance(k, str) and out.get(k).is_floating_point()]
+def metric_terms(out: Mapping[str, Any]) -> MetricTerms:
+    """The floating-point tensors of a loss output (as a dict), each reduced to a scalar, in
+    one tensor."""
+    keys = [
+        k
+        for k, v in out.items()
+        if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
     if not keys:
         return MetricTerms()
-    values = [out.get(k).detach() for k in keys]
+    values = [out[k].detach() for k in keys]
     scalars = [v.reshape(()) if v.numel() == 1 else v.mean() for v in values]
     return MetricTerms(keys, torch.stack(scalars).float())
 

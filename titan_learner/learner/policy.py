@@ -108,28 +108,42 @@ class TitanPolicy(LLMWrapperBase):
         if self.logprob_chunk_size < 1:
             raise ValueError("token_dist needs logprob_chunk_size >= 1 (0 is the dense path)")
         mask = mask.bool()
+        # The one host synchronization of the path (how many positions are scored), taken
+        # before the decoder's forward is queued so that on a GPU it waits for no kernel.
+        positions = mask.reshape(-1).nonzero().squeeze(1)  # row-major, like `tensor[mask]`
         order = left_justify_order(attention_mask)
         with lm_head_skipped(self.model):
             hidden = self._justified_forward(tokens, order)
         if isinstance(hidden, DTensor):  # tensor parallel: the final norm's output, replicated
             hidden = hidden.full_tensor()
-        scorer = self._scorer(hidden, order, mask)
+        scorer = self._scorer(hidden, order, mask.shape, positions)
         return ChunkedTokenCategorical(scorer, tokens, mask, with_entropy=self.compute_entropy)
 
-    def _scorer(self, hidden: torch.Tensor, order: torch.Tensor, mask: torch.Tensor) -> TokenScorer:
-        """Keep, for each masked position, the justified hidden state one position before it.
+    def _scorer(
+        self,
+        hidden: torch.Tensor,
+        order: torch.Tensor,
+        shape: torch.Size,
+        positions: torch.Tensor,
+    ) -> TokenScorer:
+        """Keep, for each scored position (flat indices `positions` into the `[B, T]` batch),
+        the justified hidden state one position before it.
 
         Only these `[N, D]` rows go on to the lm_head: unmasked positions score 0 and get no
         gradient in the dense distribution either, so skipping them changes nothing.
         """
-        batch, length = mask.shape
+        batch, length = shape
         inverse = torch.argsort(order, dim=1)  # caller position -> justified position
-        source = inverse[mask] - 1
-        rows = torch.arange(batch, device=mask.device).unsqueeze(1).expand_as(mask)[mask]
+        starts = torch.arange(0, batch * length, length, device=order.device).unsqueeze(1)
+        justified = (inverse + starts).reshape(-1).index_select(0, positions)
+        # A row's first real token has no position before it (`unscored`): the state it reads
+        # instead gets no gradient, as its score is replaced by a constant.
+        unscored = justified.remainder(length) == 0
         flat = hidden.reshape(batch * length, hidden.shape[-1])
         return TokenScorer(
-            hidden=flat.index_select(0, rows * length + source.clamp_min(0)),
-            unscored=source < 0,
+            hidden=flat.index_select(0, (justified - 1).clamp_min(0)),
+            unscored=unscored,
+            positions=positions,
             head=self.model.lm_head,
             vocab_size=self.model.config.vocab_size,
             chunk_size=self.logprob_chunk_size,

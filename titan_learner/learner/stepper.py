@@ -11,24 +11,32 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchrl.trainers.trainers import MixedPrecisionOptimizationStepper
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled, recurse=False)
-
-
 class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
-    """Upstream stepping (autocast, accumulation, non-finite guard, clipping) + deferred sync."""
+    """Upstream stepping (autocast, accumulation, non-finite guard, clipping) + deferred sync.
+
+    Its metrics are the gradient norm alone: the learner reads the loss terms and diagnostics
+    from the loss output itself (`titan_learner.learner.normalization.metric_terms`), so the
+    upstream copy of every output entry into a metrics TensorDict is skipped.
+    """
 
     def __init__(self, optimizer, *, model: nn.Module, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
         self.model = model
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._gradient_sync: bool | None = None  # what the FSDP modules were last told
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP's flag persists, so it is set only when it changes (once, without accumulation)."""
+        if enabled != self._gradient_sync:
+            for module in self._fsdp_modules:
+                module.set_requires_gradient_sync(enabled, recurse=False)
+            self._gradient_sync = enabled
 
     @property
     def micro_step(self) -> int:
@@ -40,8 +48,12 @@ class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
 
     def step(self, trainer: Any, sub_batch: TensorDictBase) -> TensorDictBase:
         closes_window = (self._micro_step + 1) % self.gradient_accumulation_steps == 0
-        set_gradient_sync(self.model, closes_window)
+        self._set_gradient_sync(closes_window)
         return super().step(trainer, sub_batch)
+
+    @staticmethod
+    def _reduce_metrics(losses_td: TensorDictBase) -> TensorDictBase:
+        return TensorDict({}, batch_size=[])
 
     @contextmanager
     def one_window(self, micro_batches: int) -> Iterator[None]:
