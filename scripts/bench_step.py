@@ -9,12 +9,22 @@ What is measured, per optimizer step (`[learner] grad_accum_steps` micro-batches
 - learner: `TitanLearner.update(batch)` for each micro-batch, i.e. everything a GRPO job pays:
   the batch check, the policy's left-justified forward and float32 logits, the TorchRL loss,
   backward, clipping, the optimizer and LR-scheduler step and the metric all-reduce.
-- baseline: what TorchTitan's own trainer does for pretraining on the very same sharded model,
-  optimizer and tokens: forward, next-token cross-entropy (vocab-parallel under TP), backward,
-  gradient clipping when `[learner] clip_norm` is set, `optimizer.step()` and `zero_grad()`.
+- baseline: what TorchTitan's own trainer (`Trainer.train_step`) does for pretraining on the
+  very same sharded model, optimizer and tokens: count the step's valid tokens (summed over
+  data-parallel ranks), forward, next-token cross-entropy summed and divided by that count
+  (vocab-parallel under TP), backward, gradient clipping when `[learner] clip_norm` is set,
+  `optimizer.step()`, the LR scheduler's step and `zero_grad()`. Its loss logging (every
+  `log_freq` steps) is left out.
   Micro-batches accumulate as in TorchTitan's trainer, which reduces gradients on each of them;
   the learner defers that reduction to the last one, so with `grad_accum_steps` > 1 and
   several data-parallel ranks the learner may beat the baseline on communication.
+
+- loss module: between the two, TorchRL's loss module called directly on the learner's policy
+  (its forward, backward, then the same clipping, optimizer and scheduler steps as the
+  baseline), without what `update()` adds around it: the batch check, the step's token-mean
+  normalization, the non-finite agreement, the metrics and the stepper. `learner / loss module`
+  is the learner's own bookkeeping; `loss module / baseline` is what a GRPO step through
+  TorchRL's loss costs over a cross-entropy step, whoever calls it.
 
 Why the baseline is the reference: it is the step TorchTitan itself takes with the same model,
 layout, dtype, activation checkpointing and compile settings, so `learner / baseline` isolates what
@@ -22,10 +32,11 @@ the learner adds on top of TorchTitan (policy, loss, checks, metrics). A ratio n
 learner is as fast as the sharded model allows; a large one points at the learner, not at
 the parallelism config.
 
-Times are per-step medians of the slowest rank (CUDA synchronized around each step); tokens/s
-counts padded tokens (B x T) over all data-parallel ranks. Peak memory is
-torch.cuda.max_memory_allocated per phase (max over ranks) on CUDA, and the process's peak RSS
-so far on CPU (cumulative, so the baseline's includes the learner's).
+The three phases take turns, one optimizer step each, so that drift of the machine (other
+processes, clocks) meets them alike. Times are per-step medians of the slowest rank (CUDA
+synchronized around each step); tokens/s counts padded tokens (B x T) over all data-parallel
+ranks. Peak memory is torch.cuda.max_memory_allocated over each phase's steps (max over ranks)
+on CUDA, and the process's peak RSS on CPU (one number for the process, the same for all).
 """
 
 from __future__ import annotations
@@ -50,7 +61,12 @@ from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.dtypes import DTYPES
-from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY, synthetic_batch
+from titan_learner.learner.batch import (
+    ATTENTION_MASK_KEY,
+    TOKENS_KEY,
+    check_batch,
+    synthetic_batch,
+)
 from titan_learner.learner.titan import TitanLearner
 from titan_learner.model.spec import uses_flex_attention
 
@@ -73,20 +89,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(
-    step: Callable[[], None], steps: int, warmup: int, device: torch.device
-) -> list[float]:
-    """Seconds per call of `step` after `warmup` untimed calls (the first ones compile)."""
+def time_interleaved(
+    phases: dict[str, Callable[[], None]], steps: int, warmup: int, device: torch.device
+) -> dict[str, tuple[list[float], float]]:
+    """Per phase: seconds per step and peak memory bytes, the phases taking turns step by step.
+
+    Taking turns, every phase meets the same machine: on shared or throttled cores a phase
+    timed after another would see other conditions (on 2 cores the dp_shard=2 ratio moved
+    1.16-1.43 run to run when the phases ran one after the other). `warmup` untimed rounds
+    first (the first steps compile).
+    """
     for _ in range(warmup):
-        step()
-    times = []
+        for step in phases.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in phases}
+    peaks = dict.fromkeys(phases, 0.0)
     for _ in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
+        for name, step in phases.items():
+            reset_peak_memory(device)
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+            peaks[name] = max(peaks[name], peak_memory_bytes(device))
+    return {name: (times[name], peaks[name]) for name in phases}
 
 
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -122,6 +149,7 @@ def learner_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[]
 def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
     """One TorchTitan-style pretraining step on the learner's own model and optimizer."""
     model, optimizer, config = learner.model, learner.optimizer, learner.config
+    scheduler, group = learner.lr_scheduler, learner.data_parallel_group
     params = [p for group in optimizer.param_groups for p in group["params"]]
     autocast = torch.autocast(
         learner.device.type,
@@ -140,6 +168,9 @@ def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[
     model.train()
 
     def step() -> None:
+        valid = sum((labels != IGNORE_INDEX).sum() for _, labels in inputs)
+        if group is not None:
+            dist.all_reduce(valid, group=group)
         for tokens, labels in inputs:
             masks = None
             if flex:
@@ -151,31 +182,66 @@ def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[
             parallel = loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
             with parallel:
                 loss = F.cross_entropy(
-                    logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+                    logits.flatten(0, 1).float(),
+                    labels.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
                 )
-                (loss / len(inputs)).backward()
+                (loss / valid).backward()
         if config.learner.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, config.learner.clip_norm)
         optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def loss_module_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
+    """One optimizer step through the learner's TorchRL loss module, called directly."""
+    config, optimizer, loss_module = learner.config, learner.optimizer, learner.loss_module
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    autocast = torch.autocast(
+        learner.device.type,
+        dtype=DTYPES[config.learner.autocast_dtype],
+        enabled=config.learner.mixed_precision,
+    )
+    needs_ref = bool(getattr(loss_module, "kl_to_ref_coeff", None))
+    checked = [check_batch(batch, learner.vocab_size, needs_ref) for batch in window]
+
+    def step() -> None:
+        for batch in checked:
+            with autocast:
+                out = loss_module(batch)
+            loss = sum(out.get(key) for key in out.keys() if key.startswith("loss"))
+            (loss / len(checked)).backward()
+        if config.learner.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, config.learner.clip_norm)
+        optimizer.step()
+        learner.lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
 def measure(
-    step: Callable[[], None], args: argparse.Namespace, device: torch.device
-) -> tuple[float, float]:
-    """(median seconds per step, peak memory bytes), both the max over ranks."""
-    reset_peak_memory(device)
-    times = time_steps(step, args.steps, args.warmup, device)
-    *times, peak = max_over_ranks([*times, peak_memory_bytes(device)], device)
-    return statistics.median(times), peak
+    phases: dict[str, Callable[[], None]], args: argparse.Namespace, device: torch.device
+) -> dict[str, tuple[float, float]]:
+    """Per phase: (median seconds per step, peak memory bytes), both the max over ranks."""
+    out = {}
+    for name, (times, peak) in time_interleaved(phases, args.steps, args.warmup, device).items():
+        *times, peak = max_over_ranks([*times, peak], device)
+        out[name] = (statistics.median(times), peak)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The phases step the one LR schedule on every optimizer step, as a run does: it must last
+    # for all of them (TorchTitan's schedule refuses to step past its end).
+    schedule = f"run.steps={3 * (args.warmup + args.steps)}"
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, [*args.overrides, schedule])
         learner = TitanLearner.from_config(config)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -194,9 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(accum)
     ]
 
-    learner_time, learner_peak = measure(learner_step(learner, window), args, device)
+    phases = {
+        "learner": learner_step(learner, window),
+        "loss module": loss_module_step(learner, window),
+        "baseline": baseline_step(learner, window),
+    }
+    measured = measure(phases, args, device)
+    (learner_time, learner_peak), (loss_time, loss_peak), (baseline_time, baseline_peak) = (
+        measured[name] for name in phases
+    )
     skipped = int(getattr(learner.stepper, "skipped_nonfinite_steps", 0))
-    baseline_time, baseline_peak = measure(baseline_step(learner, window), args, device)
 
     if dist.get_rank() == 0:
         tokens = accum * run.batch_size * run.seq_len * caps.data_parallel_size
@@ -210,10 +283,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{tokens:,} tokens in all; {args.steps} timed after {args.warmup} warmup\n"
             f"learner   median {learner_time * 1e3:10.1f} ms/step  "
             f"{tokens / learner_time:12,.0f} tokens/s  peak mem {_gib(learner_peak)}\n"
+            f"loss mod. median {loss_time * 1e3:10.1f} ms/step  "
+            f"{tokens / loss_time:12,.0f} tokens/s  peak mem {_gib(loss_peak)}\n"
             f"baseline  median {baseline_time * 1e3:10.1f} ms/step  "
             f"{tokens / baseline_time:12,.0f} tokens/s  peak mem {_gib(baseline_peak)}\n"
             f"ratio learner/baseline: {learner_time / baseline_time:.2f}  "
-            f"(peak mem: {memory}, max over ranks)"
+            f"(peak mem: {memory}, max over ranks)\n"
+            f"of which: learner/loss module {learner_time / loss_time:.2f} (the learner's "
+            f"bookkeeping), loss module/baseline {loss_time / baseline_time:.2f} (TorchRL's loss "
+            "on the policy over a cross-entropy step)"
         )
         if skipped:
             print(f"warning: the learner skipped {skipped} non-finite step(s)", file=sys.stderr)
