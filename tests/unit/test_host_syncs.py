@@ -1,0 +1,75 @@
+"""update() reads device values back to the host only where it must.
+
+On a GPU every such read (a `nonzero`, a boolean index, `.item()`, `bool()`, `.tolist()`)
+waits for all the kernels queued so far, and the launch queue runs dry meanwhile. Counted on
+CPU: the operations that would read the device, issued during one `update` by the project's own
+code (TorchRL's loss and stepper make their own, attributed to them and not counted).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.support.models import batches, tiny_config
+from titan_learner.learner.local import LocalLearner
+
+READS = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.masked_select.default"}
+
+# Where the learner's own code reads the device in one update, and why each must:
+EXPECTED = Counter(
+    {
+        "check_and_count": 1,  # the batch's values, checked before any compute
+        "token_dist": 1,  # how many positions are scored (before the decoder's forward)
+        "_agree": 1,  # the loss is finite on every rank, and the step's counts
+        "values": 1,  # the metrics, once, after the optimizer step
+    }
+)
+
+
+def owner() -> str | None:
+    """The function of ours that issued the current operation, or None if it was not ours:
+    the innermost frame outside torch decides (TorchRL's calls belong to TorchRL)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or path.endswith("test_host_syncs.py"):
+            continue
+        return frame.name if "/titan_learner/" in path else None
+    return None
+
+
+class DeviceReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean_index = str(func) == "aten.index.Tensor" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        if (str(func) in READS or boolean_index) and (name := owner()) is not None:
+            self.reads[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_update_reads_the_device_only_where_it_must(monkeypatch):
+    learner = LocalLearner(tiny_config())
+    assert learner.config.learner.logprob_chunk_size > 0  # the default, chunked path
+    first, second = batches(2, varied=True)
+    learner.update(first)  # lazy initialization outside the count
+    counter = DeviceReads()
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(tensor):
+        if (name := owner()) is not None:
+            counter.reads[name] += 1
+        return tolist(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    with counter:
+        metrics = learner.update(second)
+    assert "grad_norm" in metrics.keys()  # a whole optimizer step was counted
+    assert counter.reads == EXPECTED
