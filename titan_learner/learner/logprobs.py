@@ -128,6 +128,8 @@ def chunked_token_stats(
             token, entropy = _chunk_stats(*args)
         tokens.append(token)
         entropies.append(entropy)
+    if len(tokens) == 1:  # most steps of a small batch: no copy, no extra backward node
+        return tokens[0], entropies[0]
     token = torch.cat(tokens)
     return token, torch.cat(entropies) if with_entropy else None
 
