@@ -84,6 +84,27 @@ def snapshot(learner: Learner) -> dict[str, Any]:
     return {"weights": weights, "moments": moments, "keys": keys, "step": learner.step}
 
 
+def assert_same_state(got: dict, want: dict) -> None:
+    """The same keys, tensors bit for bit, other values equal."""
+    assert got.keys() == want.keys()
+    for key in want:
+        if isinstance(want[key], torch.Tensor):
+            assert torch.equal(got[key], want[key]), key
+        else:
+            assert got[key] == want[key], key
+
+
+def assert_resumes_exactly(learner: Learner, root: Path, data: list[TensorDictBase]) -> None:
+    """A fresh one-process learner loaded from `root` trains `data` to `learner`'s metrics,
+    weights and optimizer moments, bit for bit (`learner` trains `data` too)."""
+    expected = train(learner, data)
+    resumed = LocalLearner(tiny_config())
+    checkpoint.load(resumed, root)
+    assert train(resumed, data) == expected
+    for part in ("weights", "moments"):
+        assert_same_state(snapshot(resumed)[part], snapshot(learner)[part])
+
+
 # -- world of 4 ------------------------------------------------------------------------------
 
 
