@@ -7,8 +7,8 @@ What is measured, per optimizer step (`[learner] grad_accum_steps` micro-batches
 `[run] batch_size` x `[run] seq_len` synthetic GRPO sequences per rank):
 
 - learner: `TitanLearner.update(batch)` for each micro-batch, i.e. everything a GRPO job pays:
-  the batch check, the policy's left-justified forward and float32 logits, the TorchRL loss,
-  backward, clipping, the optimizer and LR-scheduler step and the metric all-reduce.
+  the batch check, the policy's left-justified forward and log-probs (chunked by default), the
+  TorchRL loss, backward, clipping, the optimizer and LR-scheduler step and the metrics.
 - baseline: what TorchTitan's own trainer (`Trainer.train_step`) does for pretraining on the
   very same sharded model, optimizer and tokens: count the step's valid tokens (summed over
   data-parallel ranks), forward, next-token cross-entropy summed and divided by that count
@@ -23,8 +23,14 @@ What is measured, per optimizer step (`[learner] grad_accum_steps` micro-batches
   (its forward, backward, then the same clipping, optimizer and scheduler steps as the
   baseline), without what `update()` adds around it: the batch check, the step's token-mean
   normalization, the non-finite agreement, the metrics and the stepper. `learner / loss module`
-  is the learner's own bookkeeping; `loss module / baseline` is what a GRPO step through
-  TorchRL's loss costs over a cross-entropy step, whoever calls it.
+  is the learner's own bookkeeping.
+
+- policy: between the loss module and the baseline, the same GRPO objective written by hand
+  on the learner's policy (its chunked log-probs and entropy, the clipped ratio against the
+  batch's log-probs, the token mean, the entropy bonus; the loss module's clip bounds and
+  coefficient), then the same optimizer step. `loss module / policy` is TorchRL's loss
+  machinery (TensorDict plumbing, masks, diagnostics); `policy / baseline` is the GRPO math
+  and the policy's layout over a cross-entropy step.
 
 Why the baseline is the reference: it is the step TorchTitan itself takes with the same model,
 layout, dtype, activation checkpointing and compile settings, so `learner / baseline` isolates what
@@ -32,7 +38,7 @@ the learner adds on top of TorchTitan (policy, loss, checks, metrics). A ratio n
 learner is as fast as the sharded model allows; a large one points at the learner, not at
 the parallelism config.
 
-The three phases take turns, one optimizer step each, so that drift of the machine (other
+The phases take turns, one optimizer step each, so that drift of the machine (other
 processes, clocks) meets them alike. Times are per-step medians of the slowest rank (CUDA
 synchronized around each step); tokens/s counts padded tokens (B x T) over all data-parallel
 ranks. Peak memory is torch.cuda.max_memory_allocated over each phase's steps (max over ranks)
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import resource
 import statistics
@@ -62,7 +69,10 @@ from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.dtypes import DTYPES
 from titan_learner.learner.batch import (
+    ADVANTAGE_KEY,
+    ASSISTANT_MASK_KEY,
     ATTENTION_MASK_KEY,
+    LOG_PROBS_KEY,
     TOKENS_KEY,
     check_batch,
     synthetic_batch,
@@ -71,6 +81,13 @@ from titan_learner.learner.titan import TitanLearner
 from titan_learner.model.spec import uses_flex_attention
 
 IGNORE_INDEX = -100
+OBJECTIVE_TOLERANCE = 1e-4  # |hand-written GRPO objective - the loss module's loss|
+SPLIT = {  # what the ratio of two consecutive phases measures
+    ("learner", "loss module"): "the learner's bookkeeping",
+    ("loss module", "policy"): "TorchRL's loss machinery",
+    ("policy", "baseline"): "GRPO on the policy over a cross-entropy step",
+    ("loss module", "baseline"): "TorchRL's loss on the policy over a cross-entropy step",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -146,16 +163,34 @@ def learner_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[]
     return step
 
 
+def autocast_of(learner: TitanLearner) -> torch.autocast:
+    """The learner's autocast ([learner] mixed_precision), for the phases that call the model."""
+    config = learner.config.learner
+    return torch.autocast(
+        learner.device.type, dtype=DTYPES[config.autocast_dtype], enabled=config.mixed_precision
+    )
+
+
+def optimizer_step(learner: TitanLearner) -> Callable[[], None]:
+    """What closes every phase's step but the learner's: clipping (when `[learner] clip_norm`
+    is set), the optimizer's step, the LR scheduler's, `zero_grad()`."""
+    optimizer, clip_norm = learner.optimizer, learner.config.learner.clip_norm
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def step() -> None:
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        optimizer.step()
+        learner.lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
     """One TorchTitan-style pretraining step on the learner's own model and optimizer."""
-    model, optimizer, config = learner.model, learner.optimizer, learner.config
-    scheduler, group = learner.lr_scheduler, learner.data_parallel_group
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    autocast = torch.autocast(
-        learner.device.type,
-        dtype=DTYPES[config.learner.autocast_dtype],
-        enabled=config.learner.mixed_precision,
-    )
+    model, group = learner.model, learner.data_parallel_group
+    autocast, close = autocast_of(learner), optimizer_step(learner)
     inputs = []
     for batch in window:  # labels once, outside the timed region, like a data loader would
         tokens = batch.get(TOKENS_KEY)
@@ -188,24 +223,15 @@ def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[
                     reduction="sum",
                 )
                 (loss / valid).backward()
-        if config.learner.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, config.learner.clip_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        close()
 
     return step
 
 
 def loss_module_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
     """One optimizer step through the learner's TorchRL loss module, called directly."""
-    config, optimizer, loss_module = learner.config, learner.optimizer, learner.loss_module
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    autocast = torch.autocast(
-        learner.device.type,
-        dtype=DTYPES[config.learner.autocast_dtype],
-        enabled=config.learner.mixed_precision,
-    )
+    loss_module = learner.loss_module
+    autocast, close = autocast_of(learner), optimizer_step(learner)
     needs_ref = bool(getattr(loss_module, "kl_to_ref_coeff", None))
     checked = [check_batch(batch, learner.vocab_size, needs_ref) for batch in window]
 
@@ -215,13 +241,52 @@ def loss_module_step(learner: TitanLearner, window: list[TensorDict]) -> Callabl
                 out = loss_module(batch)
             loss = sum(out.get(key) for key in out.keys() if key.startswith("loss"))
             (loss / len(checked)).backward()
-        if config.learner.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, config.learner.clip_norm)
-        optimizer.step()
-        learner.lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        close()
 
     return step
+
+
+def policy_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
+    """One optimizer step of a hand-written clipped GRPO objective on the learner's policy
+    (GRPO's objective whatever `[loss] name` is; the loss module's clip bounds)."""
+    autocast, close = autocast_of(learner), optimizer_step(learner)
+    checked = [check_batch(batch, learner.vocab_size, False) for batch in window]
+
+    def step() -> None:
+        for batch in checked:
+            with autocast:
+                loss = grpo_objective(learner, batch)
+            (loss / len(checked)).backward()
+        close()
+
+    return step
+
+
+def grpo_objective(learner: TitanLearner, batch: TensorDict) -> torch.Tensor:
+    """GRPO's clipped surrogate and entropy bonus as token means, written by hand on the
+    learner's policy: what TorchRL's GRPOLoss computes, without its machinery."""
+    loss_module = learner.loss_module
+    low, high = loss_module._clip_bounds  # log-ratio bounds
+    entropy_coeff = float(getattr(loss_module, "entropy_coeff", 0.0) or 0.0)
+    tokens, behaviour = batch.get(TOKENS_KEY), batch.get(LOG_PROBS_KEY)
+    trained = batch.get(ASSISTANT_MASK_KEY) & torch.isfinite(behaviour)
+    advantage = batch.get(ADVANTAGE_KEY).reshape(tokens.shape[0], -1)  # [B, 1] or [B, T]
+    dist = learner.policy.token_dist(tokens, batch.get(ATTENTION_MASK_KEY), trained)
+    log_ratio = torch.where(trained, dist.log_prob(tokens) - behaviour, 0.0)
+    gain = torch.minimum(log_ratio.exp() * advantage, log_ratio.clamp(low, high).exp() * advantage)
+    count = trained.sum().clamp_min(1)
+    loss = -(torch.where(trained, gain, 0.0).sum() / count)
+    return loss - entropy_coeff * dist.entropy().sum() / count
+
+
+def objective_gap(learner: TitanLearner, window: list[TensorDict]) -> float:
+    """|hand-written objective - the loss module's loss| on the first batch, untimed: the
+    policy phase must compute what the loss module does, or its ratio means nothing."""
+    batch = check_batch(window[0], learner.vocab_size, False)
+    with torch.no_grad(), autocast_of(learner):
+        out = learner.loss_module(batch.clone())
+        module = sum(out.get(key) for key in out.keys() if key.startswith("loss"))
+        return float((grpo_objective(learner, batch) - module).abs())
 
 
 def measure(
@@ -239,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The phases step the one LR schedule on every optimizer step, as a run does: it must last
     # for all of them (TorchTitan's schedule refuses to step past its end).
-    schedule = f"run.steps={3 * (args.warmup + args.steps)}"
+    schedule = f"run.steps={4 * (args.warmup + args.steps)}"
     try:
         config = load_config(args.config, [*args.overrides, schedule])
         learner = TitanLearner.from_config(config)
@@ -263,36 +328,45 @@ def main(argv: list[str] | None = None) -> int:
     phases = {
         "learner": learner_step(learner, window),
         "loss module": loss_module_step(learner, window),
-        "baseline": baseline_step(learner, window),
     }
+    gap = objective_gap(learner, window)
+    if gap <= OBJECTIVE_TOLERANCE:
+        phases["policy"] = policy_step(learner, window)
+    elif dist.get_rank() == 0:
+        print(
+            f"note: no policy phase: the hand-written GRPO objective differs from the loss "
+            f"module's loss by {gap:.2e} (> {OBJECTIVE_TOLERANCE}), so [loss] is not GRPO's",
+            file=sys.stderr,
+        )
+    phases["baseline"] = baseline_step(learner, window)
     measured = measure(phases, args, device)
-    (learner_time, learner_peak), (loss_time, loss_peak), (baseline_time, baseline_peak) = (
-        measured[name] for name in phases
-    )
     skipped = int(getattr(learner.stepper, "skipped_nonfinite_steps", 0))
 
     if dist.get_rank() == 0:
         tokens = accum * run.batch_size * run.seq_len * caps.data_parallel_size
         params = sum(p.numel() for p in learner.model.parameters())
         memory = "max_memory_allocated" if device.type == "cuda" else "peak RSS so far"
-        print(
+        times = {name: seconds for name, (seconds, _) in measured.items()}
+        lines = [
             f"config: {config.source}  model: {config.model.name} {config.model.flavor} "
             f"({_count(params)} params)  device: {device.type}  world: {caps.world_size} "
-            f"(dp={caps.data_parallel_size} x tp={caps.tensor_parallel_size})\n"
+            f"(dp={caps.data_parallel_size} x tp={caps.tensor_parallel_size})",
             f"step = {accum} micro-batch(es) of {run.batch_size} x {run.seq_len} tokens per rank, "
-            f"{tokens:,} tokens in all; {args.steps} timed after {args.warmup} warmup\n"
-            f"learner   median {learner_time * 1e3:10.1f} ms/step  "
-            f"{tokens / learner_time:12,.0f} tokens/s  peak mem {_gib(learner_peak)}\n"
-            f"loss mod. median {loss_time * 1e3:10.1f} ms/step  "
-            f"{tokens / loss_time:12,.0f} tokens/s  peak mem {_gib(loss_peak)}\n"
-            f"baseline  median {baseline_time * 1e3:10.1f} ms/step  "
-            f"{tokens / baseline_time:12,.0f} tokens/s  peak mem {_gib(baseline_peak)}\n"
-            f"ratio learner/baseline: {learner_time / baseline_time:.2f}  "
-            f"(peak mem: {memory}, max over ranks)\n"
-            f"of which: learner/loss module {learner_time / loss_time:.2f} (the learner's "
-            f"bookkeeping), loss module/baseline {loss_time / baseline_time:.2f} (TorchRL's loss "
-            "on the policy over a cross-entropy step)"
-        )
+            f"{tokens:,} tokens in all; {args.steps} timed after {args.warmup} warmup",
+            *(
+                f"{name:<11} median {seconds * 1e3:10.1f} ms/step  "
+                f"{tokens / seconds:12,.0f} tokens/s  peak mem {_gib(peak)}"
+                for name, (seconds, peak) in measured.items()
+            ),
+            f"ratio learner/baseline: {times['learner'] / times['baseline']:.2f}  "
+            f"(peak mem: {memory}, max over ranks)",
+            "of which: "
+            + ", ".join(
+                f"{upper}/{lower} {times[upper] / times[lower]:.2f} ({SPLIT[upper, lower]})"
+                for upper, lower in itertools.pairwise(times)
+            ),
+        ]
+        print("\n".join(lines))
         if skipped:
             print(f"warning: the learner skipped {skipped} non-finite step(s)", file=sys.stderr)
     dist.destroy_process_group()

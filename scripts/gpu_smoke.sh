@@ -58,7 +58,7 @@ check() {  # check NAME LIMIT_S COMMAND...: run it under a timeout, log it, reco
     fi
     local rc=0
     timeout --kill-after=10 "${limit}" "$@" >"$OUT_DIR/${name}.log" 2>&1 || rc=$?
-    grep -E '^\{"check"|ratio learner/baseline' "$OUT_DIR/${name}.log" | tee -a "$RESULTS"
+    grep -E '^\{"check"|ratio learner/baseline|^of which' "$OUT_DIR/${name}.log" | tee -a "$RESULTS"
     if ((rc != 0)); then
         grep -v '^{"check"' "$OUT_DIR/${name}.log" | tail -n 5
         echo "gpu_smoke: ${name}: FAILED (exit ${rc}$( ((rc == 124 || rc == 137)) && echo ", timed out"))"
