@@ -238,8 +238,7 @@ def loss_module_step(learner: TitanLearner, window: list[TensorDict]) -> Callabl
     def step() -> None:
         for batch in checked:
             with autocast:
-                out = loss_module(batch)
-            loss = sum(out.get(key) for key in out.keys() if key.startswith("loss"))
+                loss = summed_loss(loss_module(batch))
             (loss / len(checked)).backward()
         close()
 
@@ -284,9 +283,13 @@ def objective_gap(learner: TitanLearner, window: list[TensorDict]) -> float:
     policy phase must compute what the loss module does, or its ratio means nothing."""
     batch = check_batch(window[0], learner.vocab_size, False)
     with torch.no_grad(), autocast_of(learner):
-        out = learner.loss_module(batch.clone())
-        module = sum(out.get(key) for key in out.keys() if key.startswith("loss"))
+        module = summed_loss(learner.loss_module(batch.clone()))
         return float((grpo_objective(learner, batch) - module).abs())
+
+
+def summed_loss(out: TensorDict) -> torch.Tensor:
+    """What a loss module's output trains: the sum of its `loss*` terms."""
+    return sum(out.get(key) for key in out.keys() if key.startswith("loss"))
 
 
 def measure(
