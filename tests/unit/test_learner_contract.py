@@ -220,6 +220,22 @@ def test_bad_batches_fail_before_compute(config, mutate, message):
     assert learner.stepper.micro_step == 0
 
 
+def test_token_ids_are_checked_on_real_tokens_only_and_reported_exactly(config):
+    learner = LocalLearner(config)
+    batch = batches(1)[0]
+    tokens, real = batch["tokens", "full"].clone(), batch["masks", "all_attention_mask"]
+    tokens[~real] = 10**6  # padding ids are never read: any value passes
+    batch["tokens", "full"] = tokens
+    learner.update(batch)
+    tokens[real.nonzero()[0].tolist()] = -3
+    highest = int(tokens[real].max())
+    with pytest.raises(BatchError) as raised:
+        learner.update(batch)
+    assert str(raised.value) == (
+        f"token ids must lie in [0, {VOCAB}) (the model's vocab_size), got [-3, {highest}]"
+    )
+
+
 def test_per_sequence_advantage_shapes_are_accepted(config):
     a, b = LocalLearner(config), LocalLearner(config)
     batch = batches(1)[0]

@@ -44,7 +44,8 @@ def check_batch(
     device: torch.device | None = None,
 ) -> TensorDictBase:
     """Validate `batch` and return it (on `device`, when given) with the advantage shaped as
-    TorchRL's loss wants it. The value checks cost one host synchronization."""
+    TorchRL's loss wants it: the same TensorDict when nothing had to change, else a shallow
+    copy (`batch` itself is never modified). The value checks cost one host synchronization."""
     return check_and_count(batch, vocab_size, needs_ref_log_probs, device)[0]
 
 
@@ -59,14 +60,14 @@ def check_and_count(
     if not isinstance(batch, TensorDictBase):
         raise BatchError(f"update() takes a TensorDict, got {type(batch).__name__}")
     required = (*REQUIRED_KEYS, REF_LOG_PROBS_KEY) if needs_ref_log_probs else REQUIRED_KEYS
-    keys = set(batch.keys(include_nested=True, leaves_only=True))
-    missing = [_fmt(k) for k in required if k not in keys]
+    values = {key: batch.get(key, None) for key in required}
+    missing = [_fmt(k) for k, v in values.items() if not isinstance(v, torch.Tensor)]
     if missing:
         raise BatchError(
             f"batch is missing {', '.join(missing)}; required keys: "
             + ", ".join(_fmt(k) for k in required)
         )
-    tokens = batch.get(TOKENS_KEY)
+    tokens = values[TOKENS_KEY]
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         raise BatchError(
             f"{_fmt(TOKENS_KEY)} must be an integer tensor [B, T], "
@@ -74,14 +75,14 @@ def check_and_count(
         )
     shape = tokens.shape
     for key in (ATTENTION_MASK_KEY, ASSISTANT_MASK_KEY):
-        mask = batch.get(key)
+        mask = values[key]
         if mask.dtype != torch.bool or mask.shape != shape:
             raise BatchError(
                 f"{_fmt(key)} must be bool {tuple(shape)} like the tokens, "
                 f"got {mask.dtype} {tuple(mask.shape)}"
             )
     for key in (LOG_PROBS_KEY, REF_LOG_PROBS_KEY) if needs_ref_log_probs else (LOG_PROBS_KEY,):
-        value = batch.get(key)
+        value = values[key]
         if not value.is_floating_point() or value.shape != shape:
             raise BatchError(
                 f"{_fmt(key)} must be float {tuple(shape)} like the tokens, "
@@ -91,33 +92,8 @@ def check_and_count(
             raise BatchError(f"{_fmt(key)} must not require grad (behaviour log-probs are data)")
     if device is not None and tokens.device != device:
         batch = batch.to(device)
-        tokens = batch.get(TOKENS_KEY)
-    attention, assistant = batch.get(ATTENTION_MASK_KEY), batch.get(ASSISTANT_MASK_KEY)
-    limits = torch.iinfo(tokens.dtype)
-    checks = (
-        torch.stack(
-            [
-                (assistant & ~attention).any().to(tokens.dtype),
-                torch.where(attention, tokens, limits.max).min(),  # over real tokens only
-                torch.where(attention, tokens, limits.min).max(),
-                trained_tokens(assistant, batch.get(LOG_PROBS_KEY)).to(tokens.dtype),
-            ]
-        )
-        if tokens.numel()
-        else torch.tensor([0, 0, 0, 0])
-    )
-    on_padding, lowest, highest, trained = checks.tolist()
-    if on_padding:
-        raise BatchError(
-            f"{_fmt(ASSISTANT_MASK_KEY)} marks padding positions; it must be a subset of "
-            f"{_fmt(ATTENTION_MASK_KEY)}"
-        )
-    if lowest <= highest and (lowest < 0 or highest >= vocab_size):  # else: no real token
-        raise BatchError(
-            f"token ids must lie in [0, {vocab_size}) (the model's vocab_size), "
-            f"got [{lowest}, {highest}]"
-        )
-    advantage = batch.get(ADVANTAGE_KEY)
+        values = {key: batch.get(key) for key in required}
+    advantage = values[ADVANTAGE_KEY]
     B, T = shape
     if advantage.shape in ((B,), (B, 1)):
         advantage = advantage.reshape(B, 1, 1)
@@ -126,9 +102,39 @@ def check_and_count(
             f"'advantage' must be [B], [B, 1], [B, 1, 1] or [B, T, 1] with B={B}, T={T}, "
             f"got {tuple(advantage.shape)}"
         )
+    on_padding, lowest, highest, trained = _value_checks(values).tolist()
+    if on_padding:
+        raise BatchError(
+            f"{_fmt(ASSISTANT_MASK_KEY)} marks padding positions; it must be a subset of "
+            f"{_fmt(ATTENTION_MASK_KEY)}"
+        )
+    if lowest < 0 or highest >= vocab_size:
+        tokens, attention = values[TOKENS_KEY], values[ATTENTION_MASK_KEY]
+        real = tokens[attention]  # the error path only: the exact range of the real tokens
+        raise BatchError(
+            f"token ids must lie in [0, {vocab_size}) (the model's vocab_size), "
+            f"got [{int(real.min())}, {int(real.max())}]"
+        )
+    if advantage is values[ADVANTAGE_KEY] and advantage.dtype == torch.float32:
+        return batch, trained  # nothing to reshape or cast: no copy of the TensorDict
     out = batch.clone(recurse=False)
     out.set(ADVANTAGE_KEY, advantage.float())
     return out, trained
+
+
+def _value_checks(values: dict) -> torch.Tensor:
+    """[response positions on padding, lowest real token id, highest, trained tokens] as one
+    int64 tensor, for one host read. Padding counts as token id 0 (always valid), so the range
+    is exact only when it is valid; the error path takes the real tokens' own."""
+    tokens = values[TOKENS_KEY]
+    if not tokens.numel():
+        return torch.zeros(4, dtype=torch.int64)
+    attention, assistant = values[ATTENTION_MASK_KEY], values[ASSISTANT_MASK_KEY]
+    lowest, highest = torch.where(attention, tokens, 0).aminmax()
+    checks = [(assistant > attention).sum(), lowest, highest]
+    if tokens.dtype != torch.int64:
+        checks = [check.long() for check in checks]
+    return torch.stack([*checks, trained_tokens(assistant, values[LOG_PROBS_KEY])])
 
 
 def trained_tokens(assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:

@@ -77,9 +77,16 @@ class TitanPolicy(LLMWrapperBase):
         self.in_keys = [TOKENS_KEY, ATTENTION_MASK_KEY]
         self.out_keys = ["logits"]
 
-    def _justified_forward(self, tokens: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """The model on left-justified rows: logits, or hidden states under `lm_head_skipped`."""
-        justified = tokens.gather(1, order)
+    def _justified_forward(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, order: torch.Tensor
+    ) -> torch.Tensor:
+        """The model on left-justified rows: logits, or hidden states under `lm_head_skipped`.
+
+        Padding ids are never read (the batch check ignores them, and causal attention never
+        looks at the padding that follows a row's tokens), but the embedding still looks them
+        up: they become id 0, so that any pad id works (TorchRL's -100 included).
+        """
+        justified = torch.where(attention_mask, tokens, 0).gather(1, order)
         masks = None
         if uses_flex_attention(self.model):
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -89,7 +96,7 @@ class TitanPolicy(LLMWrapperBase):
     def token_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Shifted float32 logits `[B, T, V]` in the caller's (left-padded) layout."""
         order = left_justify_order(attention_mask)
-        out = self._justified_forward(tokens, order)
+        out = self._justified_forward(tokens, attention_mask, order)
         if isinstance(out, DTensor):  # tensor-parallel lm_head with loss parallel
             out = out.full_tensor()
         out = out.float()
@@ -113,7 +120,7 @@ class TitanPolicy(LLMWrapperBase):
         positions = mask.reshape(-1).nonzero().squeeze(1)  # row-major, like `tensor[mask]`
         order = left_justify_order(attention_mask)
         with lm_head_skipped(self.model):
-            hidden = self._justified_forward(tokens, order)
+            hidden = self._justified_forward(tokens, attention_mask, order)
         if isinstance(hidden, DTensor):  # tensor parallel: the final norm's output, replicated
             hidden = hidden.full_tensor()
         scorer = self._scorer(hidden, order, mask.shape, positions)
