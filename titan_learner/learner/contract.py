@@ -285,16 +285,19 @@ class Learner:
 
     def _report(self, metrics: TensorDictBase, lr: float, window_over: bool) -> TensorDict:
         """The window's metrics so far over data-parallel ranks, plus the stepper's own."""
-        out = self._window.result(self._reduce)
+        means = self._window.result(self._reduce)
         if window_over:
             self._window = WindowMetrics()
-        if "grad_norm" in metrics.keys():  # already global: computed over DTensor grads
+        stepped = "grad_norm" in metrics.keys()
+        if stepped:
+            means["lr"] = lr
+        out = dict(zip(means, torch.tensor(list(means.values())).unbind(), strict=True))
+        if stepped:  # already global: computed over DTensor grads
             out["grad_norm"] = metrics.get("grad_norm").detach().float().cpu()
-            out["lr"] = torch.tensor(lr)
         out["skipped_nonfinite_steps"] = torch.tensor(
             getattr(self.stepper, "skipped_nonfinite_steps", 0)
         )
-        return out
+        return TensorDict(out, batch_size=[])
 
     def _most_over_ranks(self, count: int) -> int:
         """The largest `count` of any data-parallel rank (one all-reduce)."""
@@ -307,16 +310,18 @@ class Learner:
         A rank that skipped backward while others ran it would hang the gradient collectives,
         so the drop decision is taken over the whole world. Ranks of one tensor-parallel group
         hold the same batch: the world's sum of the counts is their sum times the TP size.
+        In a one-process world there is nothing to agree on: the flag alone is read.
         """
         pending = self._pending or {}
+        if not (dist.is_initialized() and self.capabilities.world_size > 1):
+            return bool(finite), dict(pending) if self._pending is not None else None
         local = torch.cat(
             [
                 (~finite).to(torch.float64).reshape(1),
                 torch.tensor(list(pending.values()), dtype=torch.float64, device=finite.device),
             ]
         )
-        if dist.is_initialized() and self.capabilities.world_size > 1:
-            dist.all_reduce(local)
+        dist.all_reduce(local)
         nonfinite, *sums = local.tolist()
         tp = self.capabilities.tensor_parallel_size
         summed = dict(zip(pending, (v / tp for v in sums), strict=True))

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import nn
 
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, trained_tokens
@@ -180,9 +180,12 @@ def metric_terms(out: Mapping[str, Any]) -> MetricTerms:
     ]
     if not keys:
         return MetricTerms()
-    values = [out[k].detach() for k in keys]
-    scalars = [v.reshape(()) if v.numel() == 1 else v.mean() for v in values]
-    return MetricTerms(keys, torch.stack(scalars).float())
+    with torch.no_grad():  # one detached stack, not a detach per term
+        values = (out[k] for k in keys)
+        scalars = [
+            v if v.dim() == 0 else v.reshape(()) if v.numel() == 1 else v.mean() for v in values
+        ]
+        return MetricTerms(keys, torch.stack(scalars).float())
 
 
 class WindowMetrics:
@@ -222,7 +225,7 @@ class WindowMetrics:
         reduce: Callable[
             [dict[str, float], dict[str, float]], tuple[dict[str, float], dict[str, float]]
         ],
-    ) -> TensorDict:
+    ) -> dict[str, float]:
         """The window so far over data-parallel ranks: `reduce(sums, maxima)` is one collective."""
         keys = sorted(self.sums)
         local = {
@@ -235,8 +238,7 @@ class WindowMetrics:
             for k in keys
         }
         means.update((k, v if math.isfinite(v) else 0.0) for k, v in largest.items())
-        values = torch.tensor(list(means.values()), dtype=torch.float32).unbind()
-        return TensorDict(dict(zip(means, values, strict=True)), batch_size=[])
+        return means
 
 
 def sums_and_maxima_over(
