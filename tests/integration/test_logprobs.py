@@ -167,6 +167,29 @@ def test_distribution_answers_like_the_dense_one(learner, batch):
     assert log_prob.isfinite().all() and (log_prob[:, ~mask] == 0).all()
 
 
+def test_decoder_runs_only_the_positions_the_scores_read(learner, batch):
+    """The last justified position of the longest row predicts no token: the decoder stops
+    before it, and before any later position no scored token reads, scoring the same."""
+    widths = []
+    hook = learner.model.register_forward_pre_hook(lambda _, args: widths.append(args[0].shape))
+    real = batch.get(ATTENTION_MASK_KEY)
+    longest = int(real.sum(1).max())
+    early = real & (real.cumsum(1) <= 4)  # each row's first four real tokens
+    try:
+        with torch.no_grad():
+            for mask, width in ((real, longest - 1), (early, 3)):
+                dense, chunked = dense_and_chunked(learner, batch, mask)
+                assert widths[-1] == (real.shape[0], width)
+                tokens = batch.get(TOKENS_KEY)
+                torch.testing.assert_close(
+                    chunked.log_prob(tokens), dense.log_prob(tokens), atol=TOL, rtol=0
+                )
+                torch.testing.assert_close(chunked.entropy(), dense.entropy(), atol=TOL, rtol=0)
+    finally:
+        hook.remove()
+    assert longest == SEQ_LEN  # the fixture's longest row fills the batch: one position saved
+
+
 def test_lm_head_sees_one_chunk_at_a_time(learner, batch, monkeypatch):
     """Forward and backward (recompute) run the lm_head on at most `chunk_size` positions."""
     from titan_learner.learner import logprobs

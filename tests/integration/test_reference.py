@@ -41,6 +41,7 @@ def one_process(rank: int, output_dir: str) -> dict:
     # the policy's own log-probs, as TorchRL's masked categorical gives them on every real token
     dist = learner.policy._get_dist_with_attention_mask(batch)
     policy = dist.log_prob(batch.get(TOKENS_KEY)).detach()
+    default = reference.policy.logprob_chunk_size
     reference.policy.logprob_chunk_size = 5  # the chunked path scores the same
     chunked = reference.log_probs(batch)
     reference.policy.logprob_chunk_size = 0
@@ -54,12 +55,18 @@ def one_process(rank: int, output_dir: str) -> dict:
         "ref": ref,
         "policy": policy,
         "chunked": chunked,
-        "ref_after_training": reference.log_probs(batch),
+        "ref_after_training": scored_with(reference, default, batch),
         "frozen": all(not p.requires_grad and p.grad is None for p in reference.model.parameters()),
         "eval": not reference.model.training,
         "kl": kl,
         "job": short_run(rank, output_dir, 2, ["loss.kl_to_ref_coeff=0.1", *ACCUMULATE]),
     }
+
+
+def scored_with(reference: ReferenceModel, chunk_size: int, batch) -> torch.Tensor:
+    """The reference's log-probs of `batch` through the path of `chunk_size` (0: dense)."""
+    reference.policy.logprob_chunk_size = chunk_size
+    return reference.log_probs(batch)
 
 
 @pytest.fixture(scope="module")

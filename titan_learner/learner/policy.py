@@ -78,18 +78,25 @@ class TitanPolicy(LLMWrapperBase):
         self.out_keys = ["logits"]
 
     def _justified_forward(
-        self, tokens: torch.Tensor, attention_mask: torch.Tensor, order: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        order: torch.Tensor,
+        width: int | None = None,
     ) -> torch.Tensor:
         """The model on left-justified rows: logits, or hidden states under `lm_head_skipped`.
 
-        Padding ids are never read (the batch check ignores them, and causal attention never
-        looks at the padding that follows a row's tokens), but the embedding still looks them
-        up: they become id 0, so that any pad id works (TorchRL's -100 included).
+        `width`: run only the first `width` justified positions (causal attention: the ones
+        kept see exactly what they saw in the whole row). Padding ids are never read (the batch
+        check ignores them, and causal attention never looks at the padding that follows a
+        row's tokens), but the embedding still looks them up: they become id 0, so that any
+        pad id works (TorchRL's -100 included).
         """
+        order = order if width is None else order[:, :width]
         justified = torch.where(attention_mask, tokens, 0).gather(1, order)
         masks = None
         if uses_flex_attention(self.model):
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            positions = torch.arange(order.shape[1], device=tokens.device).expand_as(order)
             masks = self.model.get_attention_masks(positions)
         return self.model(justified, attention_masks=masks)
 
@@ -115,40 +122,45 @@ class TitanPolicy(LLMWrapperBase):
         if self.logprob_chunk_size < 1:
             raise ValueError("token_dist needs logprob_chunk_size >= 1 (0 is the dense path)")
         mask = mask.bool()
-        # The one host synchronization of the path (how many positions are scored), taken
-        # before the decoder's forward is queued so that on a GPU it waits for no kernel.
-        positions = mask.reshape(-1).nonzero().squeeze(1)  # row-major, like `tensor[mask]`
         order = left_justify_order(attention_mask)
+        inverse = torch.argsort(order, dim=1)  # caller position -> justified position
+        # The one host synchronization of the path, taken before the decoder's forward is
+        # queued so that on a GPU it waits for no kernel: how many positions are scored, and
+        # the last justified position any of them takes. The decoder runs up to the one before
+        # it: no scored token reads a later hidden state (the last position of the longest row
+        # never does), so the forward and backward skip that work.
+        count, last = (
+            torch.stack([mask.sum(), torch.where(mask, inverse, 0).amax()]).tolist()
+            if mask.numel()
+            else (0, 0)
+        )
+        positions = torch.nonzero_static(mask.reshape(-1), size=count).squeeze(1)  # row-major
         with lm_head_skipped(self.model):
-            hidden = self._justified_forward(tokens, attention_mask, order)
+            hidden = self._justified_forward(tokens, attention_mask, order, max(last, 1))
         if isinstance(hidden, DTensor):  # tensor parallel: the final norm's output, replicated
             hidden = hidden.full_tensor()
-        scorer = self._scorer(hidden, order, mask.shape, positions)
+        scorer = self._scorer(hidden, inverse, positions)
         return ChunkedTokenCategorical(scorer, tokens, mask, with_entropy=self.compute_entropy)
 
     def _scorer(
-        self,
-        hidden: torch.Tensor,
-        order: torch.Tensor,
-        shape: torch.Size,
-        positions: torch.Tensor,
+        self, hidden: torch.Tensor, inverse: torch.Tensor, positions: torch.Tensor
     ) -> TokenScorer:
-        """Keep, for each scored position (flat indices `positions` into the `[B, T]` batch),
-        the justified hidden state one position before it.
+        """Keep, for each scored position (flat indices `positions` into the `[B, T]` batch,
+        whose justified positions are `inverse`), the justified hidden state one position
+        before it (`hidden`: `[B, W, D]`, the first W justified positions).
 
         Only these `[N, D]` rows go on to the lm_head: unmasked positions score 0 and get no
         gradient in the dense distribution either, so skipping them changes nothing.
         """
-        batch, length = shape
-        inverse = torch.argsort(order, dim=1)  # caller position -> justified position
-        starts = torch.arange(0, batch * length, length, device=order.device).unsqueeze(1)
-        justified = (inverse + starts).reshape(-1).index_select(0, positions)
+        batch, width, dim = hidden.shape
+        column = inverse.reshape(-1).index_select(0, positions)
         # A row's first real token has no position before it (`unscored`): the state it reads
         # instead gets no gradient, as its score is replaced by a constant.
-        unscored = justified.remainder(length) == 0
-        flat = hidden.reshape(batch * length, hidden.shape[-1])
+        unscored = column == 0
+        row = positions.div(inverse.shape[1], rounding_mode="floor")
+        before = (row * width + column - 1).clamp_min(0)
         return TokenScorer(
-            hidden=flat.index_select(0, (justified - 1).clamp_min(0)),
+            hidden=hidden.reshape(batch * width, dim).index_select(0, before),
             unscored=unscored,
             positions=positions,
             head=self.model.lm_head,
