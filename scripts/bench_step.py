@@ -266,7 +266,8 @@ def grpo_objective(learner: TitanLearner, batch: TensorDict) -> torch.Tensor:
     learner's policy: what TorchRL's GRPOLoss computes, without its machinery."""
     loss_module = learner.loss_module
     low, high = loss_module._clip_bounds  # log-ratio bounds
-    entropy_coeff = float(getattr(loss_module, "entropy_coeff", 0.0) or 0.0)
+    bonus = getattr(loss_module, "entropy_bonus", True)
+    entropy_coeff = float(getattr(loss_module, "entropy_coeff", 0.0) or 0.0) if bonus else 0.0
     tokens, behaviour = batch.get(TOKENS_KEY), batch.get(LOG_PROBS_KEY)
     trained = batch.get(ASSISTANT_MASK_KEY) & torch.isfinite(behaviour)
     advantage = batch.get(ADVANTAGE_KEY).reshape(tokens.shape[0], -1)  # [B, 1] or [B, T]
@@ -275,6 +276,8 @@ def grpo_objective(learner: TitanLearner, batch: TensorDict) -> torch.Tensor:
     gain = torch.minimum(log_ratio.exp() * advantage, log_ratio.clamp(low, high).exp() * advantage)
     count = trained.sum().clamp_min(1)
     loss = -(torch.where(trained, gain, 0.0).sum() / count)
+    if not entropy_coeff:
+        return loss
     return loss - entropy_coeff * dist.entropy().sum() / count
 
 
