@@ -30,6 +30,7 @@ from titan_learner.learner.local import LocalLearner
 from titan_learner.learner.logprobs import (
     ChunkedTokenCategorical,
     TokenScorer,
+    _TokenStats,
     chunked_token_stats,
 )
 from titan_learner.learner.losses import build_loss
@@ -217,17 +218,56 @@ def test_lm_head_sees_one_chunk_at_a_time(learner, batch, monkeypatch):
     assert max(rows) == 7 and sum(rows) == 2 * SCORED
 
 
-def test_chunked_token_stats_against_log_softmax():
+def log_softmax_stats(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    """The same statistics as torch's operators compose them (autograd through each)."""
+    log_probs = logits.log_softmax(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return log_probs.gather(-1, targets), entropy
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_chunked_token_stats_against_log_softmax(with_entropy):
+    """Values and gradients (to the hidden states and the lm_head) equal torch's composition,
+    for two targets a position (one repeated) and weighted outputs, chunks of 4 of 11."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(11, 6, generator=generator, requires_grad=True)
     head = torch.nn.Linear(6, 9, bias=False)
     targets = torch.randint(0, 9, (11, 2), generator=generator)
-    token, entropy = chunked_token_stats(hidden, targets, head, chunk_size=4, with_entropy=True)
-    log_probs = head(hidden).log_softmax(-1)
-    torch.testing.assert_close(token, log_probs.gather(-1, targets))
-    torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1))
+    targets[3, 1] = targets[3, 0]
+    token_weight = torch.randn(11, 2, generator=generator)
+    entropy_weight = torch.randn(11, generator=generator)
+    results = []
+    for stats in (
+        lambda: chunked_token_stats(hidden, targets, head, 4, with_entropy),
+        lambda: log_softmax_stats(head(hidden), targets, with_entropy),
+    ):
+        hidden.grad = head.weight.grad = None
+        token, entropy = stats()
+        total = (token * token_weight).sum()
+        if with_entropy:
+            total = total + (entropy * entropy_weight).sum()
+        total.backward()
+        results.append((token, entropy, hidden.grad, head.weight.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
     empty, _ = chunked_token_stats(hidden[:0], targets[:0], head, 4, with_entropy=False)
     assert empty.shape == (0, 2) and empty.requires_grad
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_fused_token_stats_gradient_is_exact(with_entropy):
+    """The hand-written backward against finite differences, in float64, either output alone
+    and both together (gradcheck weights each output at random)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 7, generator=generator, dtype=torch.float64).mul(3).requires_grad_()
+    targets = torch.randint(0, 7, (5, 2), generator=generator)
+    for picked in ((0,), (1,), (0, 1)) if with_entropy else ((0,),):
+        torch.autograd.gradcheck(
+            lambda z, picked=picked: tuple(
+                _TokenStats.apply(z, targets, with_entropy)[i] for i in picked
+            ),
+            (logits,),
+        )
 
 
 def test_the_scored_tokens_log_probs_are_zero_at_ignore_index():

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import distributions as D
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -87,16 +88,49 @@ def _full_logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
+class _TokenStats(torch.autograd.Function):
+    """Log-probs of `targets` `[n, S]` and the entropy `[n]` from one chunk's logits `[n, V]`.
+
+    Written as `log_softmax`, `gather`, `exp`, a product and a sum, autograd keeps two `[n, V]`
+    tensors for backward (the log-probs and their exponent) and makes one more per operator in
+    backward. Here backward keeps the log-probs alone and builds the logits' gradient in two
+    `[n, V]` buffers, from d log p(y) / dz = onehot(y) - p and dH / dz = -p * (log p + H):
+    with a large vocabulary that is most of the lm_head's memory and traffic.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        log_probs = logits.log_softmax(-1)
+        token = log_probs.gather(-1, targets)
+        entropy = None
+        if with_entropy:
+            entropy = log_probs.exp().mul_(log_probs).sum(-1).neg_()
+        ctx.save_for_backward(log_probs, targets, entropy)
+        return token, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx, token_grad: torch.Tensor, entropy_grad: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None]:
+        log_probs, targets, entropy = ctx.saved_tensors
+        probs = log_probs.exp()
+        weight = token_grad.sum(-1, keepdim=True)  # each target's onehot(y) - p, summed
+        if entropy is None:
+            grad = probs.mul_(weight).neg_()
+        else:
+            grad = log_probs + entropy.unsqueeze(-1)
+            grad.mul_(entropy_grad.unsqueeze(-1)).add_(weight).mul_(probs).neg_()
+        return grad.scatter_add_(-1, targets, token_grad), None, None
+
+
 def _chunk_stats(
     hidden: torch.Tensor, targets: torch.Tensor, head: Head, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` `[n, S]` and, optionally, the entropy `[n]` of one chunk."""
-    log_probs = _full_logits(head, hidden).log_softmax(-1)
-    token = log_probs.gather(-1, targets)
-    if not with_entropy:
-        return token, None
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return token, entropy
+    return _TokenStats.apply(_full_logits(head, hidden), targets, with_entropy)
 
 
 def chunked_token_stats(
