@@ -19,9 +19,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from titan_learner.lazy_vllm import defer_vllm_import
 from titan_learner.noise import quiet_dependencies
 
 quiet_dependencies()
+defer_vllm_import()
 
 _EXPORTS = {
     # config

