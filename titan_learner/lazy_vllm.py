@@ -108,7 +108,7 @@ class _DeferVLLM(MetaPathFinder):
 
     @contextmanager
     def _then_hand_over(self, _vllm: ModuleType) -> Iterator[None]:
-        yield  # vllm failed to import: nothing to hand over, the error propagates
+        yield  # where vllm's own import fails, its error leaves here: nothing to hand over
         self._leave()
         wrapper = sys.modules.get(WRAPPER)
         if wrapper is None:
