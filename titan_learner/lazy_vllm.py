@@ -32,12 +32,12 @@ from types import ModuleType
 from typing import Any
 
 WRAPPER = "torchrl.modules.llm.policies.vllm_wrapper"
-# The names the wrapper imports from vllm: (module, name) for each of its globals.
-WRAPPER_NAMES = {
-    "RequestOutput": ("vllm.outputs", "RequestOutput"),
-    "SamplingParams": ("vllm.sampling_params", "SamplingParams"),
-    "TokensPrompt": ("vllm.inputs", "TokensPrompt"),
-}
+# What the wrapper imports from vllm, each under its own name: (module, name).
+WRAPPER_NAMES = (
+    ("vllm.outputs", "RequestOutput"),
+    ("vllm.sampling_params", "SamplingParams"),
+    ("vllm.inputs", "TokensPrompt"),
+)
 
 
 class _WrappedLoader(Loader):
@@ -113,12 +113,12 @@ class _DeferVLLM(MetaPathFinder):
         wrapper = sys.modules.get(WRAPPER)
         if wrapper is None:
             return
-        for global_name, (module_name, name) in WRAPPER_NAMES.items():
+        for module_name, name in WRAPPER_NAMES:
             try:
                 value = getattr(importlib.import_module(module_name), name)
             except (ImportError, AttributeError):  # as the wrapper does: older vllm, no name
                 value = None
-            setattr(wrapper, global_name, value)
+            setattr(wrapper, name, value)
 
     def _leave(self) -> None:
         self.deferred = False
