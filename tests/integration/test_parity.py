@@ -77,6 +77,16 @@ WORLD2 = {
         },
         "varied": True,
     },
+    # Rollout-shaped batches (groups of rows sharing a prompt): each prompt runs once per
+    # group, on a stream of the needed tokens; against the unshared one-process reference.
+    "grouped shared prompts dp_shard=2": {
+        "sections": {"parallelism": {"dp_shard": 2}, "learner": {"share_prompts": True}},
+        "grouped": True,
+    },
+    "grouped shared prompts tp=2": {
+        "sections": {"parallelism": {"tp": 2, "dp_shard": 1}, "learner": {"share_prompts": True}},
+        "grouped": True,
+    },
     "varied kl dp_shard=2 accumulate 2": {
         "sections": {
             "parallelism": {"dp_shard": 2},
@@ -114,10 +124,12 @@ WORLD4 = {
 }
 
 
-def local_run(model: str, varied: bool = False, loss: dict | None = None) -> dict:
-    """The one-process reference: one update per global batch."""
+def local_run(
+    model: str, varied: bool = False, loss: dict | None = None, grouped: bool = False
+) -> dict:
+    """The one-process reference: one update per global batch (prompts never shared)."""
     learner = LocalLearner(tiny_config(model, loss=loss or {}))
-    steps = batches(STEPS, varied=varied)
+    steps = batches(STEPS, varied=varied, grouped=grouped)
     if learner.config.loss.kwargs.get("kl_to_ref_coeff"):
         steps = [with_ref_log_probs(batch) for batch in steps]
     metrics = [dict(learner.update(batch).items()) for batch in steps]
@@ -138,12 +150,20 @@ def qwen3_reference():
 
 
 def reference_for(layout: str, reference, qwen3_reference):
+    if layout.startswith("grouped"):
+        return grouped_reference()
     if layout.startswith("varied"):
         return varied_reference(layout)
     return qwen3_reference if layout.startswith("qwen3") else reference
 
 
 VARIED_LOSSES = {"prompt_mean": {"aggregation": "prompt_mean"}, "kl": {"kl_to_ref_coeff": 0.1}}
+
+
+@functools.cache
+def grouped_reference() -> dict:
+    """The one-process run on the grouped batches, each row computing its own prompt."""
+    return local_run("llama3", grouped=True)
 
 
 @functools.cache
@@ -186,10 +206,21 @@ def test_one_process_titan_learner_matches_local(reference):
             "sections": {"learner": {"max_tokens_per_microbatch": 24}},
             "varied": True,
         },
+        "grouped shared prompts": {
+            "sections": {"learner": {"share_prompts": True}},
+            "grouped": True,
+        },
+        # micro-batches sorted by length: groups split, rows share where neighbours agree
+        "grouped shared prompts token budget": {
+            "sections": {"learner": {"share_prompts": True, "max_tokens_per_microbatch": 32}},
+            "grouped": True,
+        },
     }
     [result] = run_world(1, run_layouts, layouts)
     assert_matches(result["varied accumulate 2"], varied_reference("varied accumulate 2"))
     assert_matches(result["varied token budget"], varied_reference("varied token budget"))
+    assert_matches(result["grouped shared prompts"], grouped_reference())
+    assert_matches(result["grouped shared prompts token budget"], grouped_reference())
     assert_matches(result["llama3"], reference)
     assert_matches(result["compiled"], reference)  # per-block torch.compile, HF names exported
     assert_matches(result["qwen3"], local_run("qwen3"))

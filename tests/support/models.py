@@ -11,12 +11,14 @@ from titan_learner.learner.batch import (
     ASSISTANT_MASK_KEY,
     LOG_PROBS_KEY,
     REF_LOG_PROBS_KEY,
+    grouped_synthetic_batch,
     synthetic_batch,
 )
 
 VOCAB = 32
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
+GROUP = 4  # rows per prompt in grouped batches: two groups per global batch
 
 
 def tiny_config(name: str = "llama3", **sections: dict) -> Config:
@@ -41,9 +43,22 @@ def tiny_config(name: str = "llama3", **sections: dict) -> Config:
     return config_from_dict(data, source="tests")
 
 
-def batches(steps: int, batch_size: int = GLOBAL_BATCH, seed: int = 0, varied: bool = False):
-    """`steps` synthetic GRPO batches; varied=True: rows train different numbers of tokens."""
+def batches(
+    steps: int,
+    batch_size: int = GLOBAL_BATCH,
+    seed: int = 0,
+    varied: bool = False,
+    grouped: bool = False,
+):
+    """`steps` synthetic GRPO batches; varied=True: rows train different numbers of tokens;
+    grouped=True: as a rollout makes them, groups of GROUP consecutive rows sharing a prompt
+    (of its own length), each row with its own response length."""
     generator = torch.Generator().manual_seed(seed)
+    if grouped:
+        return [
+            grouped_synthetic_batch(batch_size // GROUP, GROUP, SEQ_LEN, VOCAB, generator)
+            for _ in range(steps)
+        ]
     return [
         synthetic_batch(batch_size, SEQ_LEN, VOCAB, generator, varied=varied) for _ in range(steps)
     ]

@@ -22,19 +22,20 @@ def train_layout(
     accumulate: bool = False,
     model: str = "llama3",
     varied: bool = False,
+    grouped: bool = False,
 ) -> dict[str, Any]:
     """STEPS updates on the shared synthetic batches; metrics on every rank, weights on rank 0.
 
     accumulate=True feeds each rank's batch as two micro-batches with grad_accum_steps=2 (of
     unequal sizes, 1/4 and 3/4 of the rows, when varied); varied=True: rows train different
     numbers of tokens (`synthetic_batch(varied=True)`), and every micro-batch gets the
-    window's `step_counts`.
+    window's `step_counts`; grouped=True: rows in groups sharing a prompt, as rollouts are.
     """
     config = tiny_config(model, **sections)
     learner = TitanLearner.from_config(config)
     needs_ref = bool(config.loss.kwargs.get("kl_to_ref_coeff"))
     metrics = []
-    for batch in batches(steps, varied=varied):
+    for batch in batches(steps, varied=varied, grouped=grouped):
         local = learner.local_batch(with_ref_log_probs(batch) if needs_ref else batch)
         if accumulate:
             cut = max(1, local.batch_size[0] // 4) if varied else local.batch_size[0] // 2

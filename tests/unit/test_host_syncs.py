@@ -11,6 +11,7 @@ from __future__ import annotations
 import traceback
 from collections import Counter
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -55,10 +56,12 @@ class DeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_update_reads_the_device_only_where_it_must(monkeypatch):
-    learner = LocalLearner(tiny_config())
+@pytest.mark.parametrize("shared", [False, True], ids=["rows", "shared prompts"])
+def test_one_update_reads_the_device_only_where_it_must(monkeypatch, shared):
+    """Sharing prompts reads the stream's size in the chunked path's one read."""
+    learner = LocalLearner(tiny_config(learner={"share_prompts": shared}))
     assert learner.config.learner.logprob_chunk_size > 0  # the default, chunked path
-    first, second = batches(2, varied=True)
+    first, second = batches(2, varied=not shared, grouped=shared)
     learner.update(first)  # lazy initialization outside the count
     counter = DeviceReads()
     tolist = torch.Tensor.tolist

@@ -111,6 +111,11 @@ class LearnerSection:
     length, into micro-batches of at most this many computed positions (rows x longest row),
     each trimmed to its longest row; one optimizer step, the same loss. Needs grad_accum_steps
     = 1 and at least the longest prompt + completion."""
+    share_prompts: bool = False
+    """Run each prompt through the decoder once for all the rows that share it (a GRPO group's G
+    completions), and no padding at all: the token-wise work shrinks to the tokens the loss
+    needs, the result is the same (titan_learner.learner.shared_prompts). Needs the chunked
+    log-probs (logprob_chunk_size >= 1) and [model] attention = "sdpa"."""
 
 
 @dataclass

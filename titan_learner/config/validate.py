@@ -116,6 +116,17 @@ def validate_fields(config: Config) -> None:
             source=config.source,
             where="[learner] max_tokens_per_microbatch",
         )
+    if learner.share_prompts and (
+        not learner.logprob_chunk_size or config.model.attention == "flex"
+    ):
+        raise ConfigError(
+            "share_prompts runs the decoder on a stream of tokens with TorchTitan's SDPA "
+            f"attention and scores it in chunks; got logprob_chunk_size = "
+            f"{learner.logprob_chunk_size} and [model] attention = '{config.model.attention}'; "
+            'allowed: logprob_chunk_size >= 1 and attention = "sdpa" (or "auto" on CPU)',
+            source=config.source,
+            where="[learner] share_prompts",
+        )
     check_loss_kwargs(config.loss, config.source)
 
 

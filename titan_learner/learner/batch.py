@@ -181,3 +181,37 @@ def synthetic_batch(
         },
         batch_size=[batch_size],
     )
+
+
+def grouped_synthetic_batch(
+    prompts: int, group_size: int, seq_len: int, vocab_size: int, generator: torch.Generator
+) -> TensorDict:
+    """A GRPO batch as a rollout makes it: `prompts` groups of `group_size` consecutive rows
+    that share their prompt (1..seq_len // 2 tokens, its own per group), each row with its own
+    response (1..the rest), left-padded to `seq_len`; sampled log-probs on the responses."""
+    rows = prompts * group_size
+    prompt = torch.randint(1, seq_len // 2 + 1, (prompts,), generator=generator)
+    prompt_tokens = torch.randint(0, vocab_size, (prompts, seq_len), generator=generator)
+    prompt = prompt.repeat_interleave(group_size)
+    response = (torch.rand(rows, generator=generator) * (seq_len - prompt)).long() + 1
+    real = prompt + response
+    positions = torch.arange(seq_len).expand(rows, seq_len)
+    start = (seq_len - real).unsqueeze(1)  # left padding
+    # the prompt's i-th token is the group's i-th drawn id, whatever the row's padding
+    offset = (positions - start).clamp(0, seq_len - 1)
+    shared = prompt_tokens.repeat_interleave(group_size, 0).gather(1, offset)
+    own = torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
+    attention = positions >= start
+    assistant = positions >= (start + prompt.unsqueeze(1))
+    tokens = torch.where(assistant, own, torch.where(attention, shared, 0))
+    log_probs = -torch.rand(rows, seq_len, generator=generator) * 3.0
+    return TensorDict(
+        {
+            TOKENS_KEY: tokens,
+            ATTENTION_MASK_KEY: attention,
+            ASSISTANT_MASK_KEY: assistant,
+            LOG_PROBS_KEY: torch.where(assistant, log_probs, torch.nan),
+            ADVANTAGE_KEY: torch.randn(rows, 1, 1, generator=generator),
+        },
+        batch_size=[rows],
+    )

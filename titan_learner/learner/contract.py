@@ -96,7 +96,11 @@ class Learner:
         self.model = model
         self.spec = spec
         self.device = device
-        self.policy = TitanPolicy(model, logprob_chunk_size=config.learner.logprob_chunk_size)
+        self.policy = TitanPolicy(
+            model,
+            logprob_chunk_size=config.learner.logprob_chunk_size,
+            share_prompts=config.learner.share_prompts,
+        )
         self.loss_module = (
             loss_module if loss_module is not None else build_loss(config.loss, self.policy)
         )

@@ -31,6 +31,7 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
 )
 from titan_learner.learner.logprobs import ChunkedTokenCategorical, TokenScorer
+from titan_learner.learner.shared_prompts import enable_prompt_sharing, plan_stream
 from titan_learner.model.spec import uses_flex_attention
 
 
@@ -59,16 +60,31 @@ class TitanPolicy(LLMWrapperBase):
     compute_entropy: (chunked only) compute the entropy in the same chunked pass, as the losses'
     default `entropy_bonus=True` needs; False saves that work when the loss has no entropy
     bonus, and `entropy()` then costs one more chunked pass if it is called after all.
+    share_prompts: (chunked only) the decoder runs on a stream of the tokens the scores need,
+    each prompt once for the rows that share it (titan_learner.learner.shared_prompts).
     """
 
     def __init__(
-        self, model: nn.Module, logprob_chunk_size: int = 0, compute_entropy: bool = True
+        self,
+        model: nn.Module,
+        logprob_chunk_size: int = 0,
+        compute_entropy: bool = True,
+        share_prompts: bool = False,
     ) -> None:
         super().__init__()
         if logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size must be >= 0, got {logprob_chunk_size}")
+        if share_prompts and (logprob_chunk_size < 1 or uses_flex_attention(model)):
+            raise ValueError(
+                "share_prompts needs the chunked log-prob path (logprob_chunk_size >= 1) and "
+                'TorchTitan\'s SDPA attention ([model] attention = "sdpa"; "auto" is flex '
+                "on CUDA)"
+            )
+        if share_prompts:
+            enable_prompt_sharing(model)
         self.model = model
         self.logprob_chunk_size = logprob_chunk_size
+        self.share_prompts = share_prompts
         self.compute_entropy = compute_entropy
         self.generate = False
         self.pad_output = True
@@ -124,43 +140,62 @@ class TitanPolicy(LLMWrapperBase):
         mask = mask.bool()
         order = left_justify_order(attention_mask)
         inverse = torch.argsort(order, dim=1)  # caller position -> justified position
+        plan = (
+            plan_stream(tokens, attention_mask, mask, order)
+            if self.share_prompts and mask.numel()
+            else None
+        )
         # The one host synchronization of the path, taken before the decoder's forward is
         # queued so that on a GPU it waits for no kernel: how many positions are scored, and
-        # the last justified position any of them takes. The decoder runs up to the one before
-        # it: no scored token reads a later hidden state (the last position of the longest row
-        # never does), so the forward and backward skip that work.
-        count, last = (
-            torch.stack([mask.sum(), torch.where(mask, inverse, 0).amax()]).tolist()
-            if mask.numel()
-            else (0, 0)
-        )
+        # the last justified position any of them takes (and, sharing prompts, how many tokens
+        # the stream holds). The decoder runs up to the one before it: no scored token reads a
+        # later hidden state (the last position of the longest row never does), so the forward
+        # and backward skip that work.
+        counts = [mask.sum(), torch.where(mask, inverse, 0).amax()] if mask.numel() else []
+        if plan is not None:
+            counts.append(plan.keep.sum())
+        count, last, *streamed = torch.stack(counts).tolist() if counts else (0, 0)
         positions = torch.nonzero_static(mask.reshape(-1), size=count).squeeze(1)  # row-major
+        width = max(last, 1)
+        rows = None
         with lm_head_skipped(self.model):
-            hidden = self._justified_forward(tokens, attention_mask, order, max(last, 1))
+            if plan is not None and streamed[0]:
+                stream, stream_positions, sharing = plan.layout(streamed[0], width)
+                hidden = self.model(stream, positions=stream_positions, attention_masks=sharing)
+                rows = sharing.rows
+            else:
+                hidden = self._justified_forward(tokens, attention_mask, order, width)
         if isinstance(hidden, DTensor):  # tensor parallel: the final norm's output, replicated
             hidden = hidden.full_tensor()
-        scorer = self._scorer(hidden, inverse, positions)
+        scorer = self._scorer(hidden, inverse, positions, width, rows)
         return ChunkedTokenCategorical(scorer, tokens, mask, with_entropy=self.compute_entropy)
 
     def _scorer(
-        self, hidden: torch.Tensor, inverse: torch.Tensor, positions: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        inverse: torch.Tensor,
+        positions: torch.Tensor,
+        width: int,
+        rows: torch.Tensor | None = None,
     ) -> TokenScorer:
         """Keep, for each scored position (flat indices `positions` into the `[B, T]` batch,
         whose justified positions are `inverse`), the justified hidden state one position
-        before it (`hidden`: `[B, W, D]`, the first W justified positions).
+        before it. `hidden`: `[B, W, D]`, the first W = `width` justified positions; or, with
+        `rows` (`PromptSharing.rows`, `[B, W]`), the stream's `[1, N, D]`.
 
         Only these `[N, D]` rows go on to the lm_head: unmasked positions score 0 and get no
         gradient in the dense distribution either, so skipping them changes nothing.
         """
-        batch, width, dim = hidden.shape
         column = inverse.reshape(-1).index_select(0, positions)
         # A row's first real token has no position before it (`unscored`): the state it reads
         # instead gets no gradient, as its score is replaced by a constant.
         unscored = column == 0
         row = positions.div(inverse.shape[1], rounding_mode="floor")
         before = (row * width + column - 1).clamp_min(0)
+        if rows is not None:  # the stream's index of that justified position
+            before = rows.reshape(-1).index_select(0, before)
         return TokenScorer(
-            hidden=hidden.reshape(batch * width, dim).index_select(0, before),
+            hidden=hidden.reshape(-1, hidden.shape[-1]).index_select(0, before),
             unscored=unscored,
             positions=positions,
             head=self.model.lm_head,
