@@ -83,6 +83,14 @@ WORLD2 = {
         "sections": {"parallelism": {"dp_shard": 2}, "learner": {"share_prompts": True}},
         "grouped": True,
     },
+    "grouped shared prompts dp_shard=2 full AC": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "activation_checkpoint": {"mode": "full"},
+            "learner": {"share_prompts": True},
+        },
+        "grouped": True,
+    },
     "grouped shared prompts tp=2": {
         "sections": {"parallelism": {"tp": 2, "dp_shard": 1}, "learner": {"share_prompts": True}},
         "grouped": True,
@@ -210,6 +218,10 @@ def test_one_process_titan_learner_matches_local(reference):
             "sections": {"learner": {"share_prompts": True}},
             "grouped": True,
         },
+        "grouped shared prompts compiled": {
+            "sections": {"compile": {"enable": True}, "learner": {"share_prompts": True}},
+            "grouped": True,
+        },
         # micro-batches sorted by length: groups split, rows share where neighbours agree
         "grouped shared prompts token budget": {
             "sections": {"learner": {"share_prompts": True, "max_tokens_per_microbatch": 32}},
@@ -221,6 +233,7 @@ def test_one_process_titan_learner_matches_local(reference):
     assert_matches(result["varied token budget"], varied_reference("varied token budget"))
     assert_matches(result["grouped shared prompts"], grouped_reference())
     assert_matches(result["grouped shared prompts token budget"], grouped_reference())
+    assert_matches(result["grouped shared prompts compiled"], grouped_reference())
     assert_matches(result["llama3"], reference)
     assert_matches(result["compiled"], reference)  # per-block torch.compile, HF names exported
     assert_matches(result["qwen3"], local_run("qwen3"))
