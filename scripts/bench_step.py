@@ -1,7 +1,12 @@
 """Step time of the learner against a bare TorchTitan training step on the same sharded model.
 
     python scripts/bench_step.py --config FILE [--set section.key=value ...] [--steps N] [--warmup N]
+        [--group-size G]
     torchrun --nproc-per-node N scripts/bench_step.py --config FILE ...
+
+`--group-size G` makes the batches rollout-shaped (groups of G rows sharing a prompt, each
+response its own length); with `--set learner.share_prompts=true` the learner's phases run each
+prompt once, while the baseline trains on the same padded rows as TorchTitan's trainer would.
 
 What is measured, per optimizer step (`[learner] grad_accum_steps` micro-batches of
 `[run] batch_size` x `[run] seq_len` synthetic GRPO sequences per rank):
@@ -75,6 +80,7 @@ from titan_learner.learner.batch import (
     LOG_PROBS_KEY,
     TOKENS_KEY,
     check_batch,
+    grouped_synthetic_batch,
     synthetic_batch,
 )
 from titan_learner.learner.titan import TitanLearner
@@ -95,9 +101,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_config_arguments(parser)
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per phase")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="G > 1: rollout-shaped batches, groups of G rows sharing a prompt (for "
+        "[learner] share_prompts); 1: independent rows",
+    )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.group_size < 1:
+        parser.error("--steps must be >= 1, --warmup >= 0 and --group-size >= 1")
     return args
 
 
@@ -326,8 +339,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # Ranks of one TP group must see the same batch; data-parallel ranks see different ones.
     generator = torch.Generator().manual_seed(run.seed + learner.data_parallel_rank)
+    if run.batch_size % args.group_size:
+        print(
+            f"error: --group-size {args.group_size} does not divide [run] batch_size",
+            file=sys.stderr,
+        )
+        return 2
     window = [
-        synthetic_batch(run.batch_size, run.seq_len, learner.vocab_size, generator).to(device)
+        rollout_shaped(
+            run.batch_size, run.seq_len, learner.vocab_size, args.group_size, generator
+        ).to(device)
         for _ in range(accum)
     ]
 
@@ -358,7 +379,13 @@ def main(argv: list[str] | None = None) -> int:
             f"({_count(params)} params)  device: {device.type}  world: {caps.world_size} "
             f"(dp={caps.data_parallel_size} x tp={caps.tensor_parallel_size})",
             f"step = {accum} micro-batch(es) of {run.batch_size} x {run.seq_len} tokens per rank, "
-            f"{tokens:,} tokens in all; {args.steps} timed after {args.warmup} warmup",
+            f"{tokens:,} tokens in all; {args.steps} timed after {args.warmup} warmup"
+            + (
+                f"; groups of {args.group_size} rows sharing a prompt"
+                if args.group_size > 1
+                else ""
+            )
+            + ("; the learner shares prompts" if config.learner.share_prompts else ""),
             *(
                 f"{name:<11} median {seconds * 1e3:10.1f} ms/step  "
                 f"{tokens / seconds:12,.0f} tokens/s  peak mem {_gib(peak)}"
@@ -377,6 +404,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: the learner skipped {skipped} non-finite step(s)", file=sys.stderr)
     dist.destroy_process_group()
     return 0
+
+
+def rollout_shaped(
+    rows: int, seq_len: int, vocab_size: int, group_size: int, generator: torch.Generator
+) -> TensorDict:
+    """One micro-batch: independent rows (group_size 1), or groups of `group_size` rows that
+    share a prompt, each with its own response length, as a rollout gives them."""
+    if group_size == 1:
+        return synthetic_batch(rows, seq_len, vocab_size, generator)
+    return grouped_synthetic_batch(rows // group_size, group_size, seq_len, vocab_size, generator)
 
 
 def _gib(n: float) -> str:
