@@ -33,13 +33,7 @@ from tensordict import TensorDict
 from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
-from titan_learner.learner.batch import (
-    ADVANTAGE_KEY,
-    ASSISTANT_MASK_KEY,
-    ATTENTION_MASK_KEY,
-    LOG_PROBS_KEY,
-    TOKENS_KEY,
-)
+from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY, batch_from_parts
 from titan_learner.learner.microbatch import token_budget_micro_batches
 from titan_learner.learner.titan import TitanLearner
 
@@ -79,16 +73,8 @@ def realistic_batch(rows: int, vocab: int, generator: torch.Generator) -> Tensor
     assistant = positions >= (width - responses).unsqueeze(1)
     tokens = torch.where(attention, torch.randint(0, vocab, (rows, width), generator=generator), 0)
     log_probs = -torch.rand(rows, width, generator=generator) * 3.0
-    return TensorDict(
-        {
-            TOKENS_KEY: tokens,
-            ATTENTION_MASK_KEY: attention,
-            ASSISTANT_MASK_KEY: assistant,
-            LOG_PROBS_KEY: torch.where(assistant, log_probs, torch.nan),
-            ADVANTAGE_KEY: torch.randn(rows, 1, 1, generator=generator),
-        },
-        batch_size=[rows],
-    )
+    advantage = torch.randn(rows, 1, 1, generator=generator)
+    return batch_from_parts(tokens, attention, assistant, log_probs, advantage)
 
 
 def time_updates(learner: TitanLearner, batches: list[TensorDict], warmup: int) -> list[float]:

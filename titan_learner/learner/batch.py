@@ -169,17 +169,28 @@ def synthetic_batch(
     assistant = positions >= (seq_len - response).unsqueeze(1)
     tokens = torch.where(attention, tokens, 0)
     log_probs = -torch.rand(batch_size, seq_len, generator=generator) * 3.0
-    log_probs = torch.where(assistant, log_probs, torch.nan)
     advantage = torch.randn(batch_size, 1, 1, generator=generator)
+    return batch_from_parts(tokens, attention, assistant, log_probs, advantage)
+
+
+def batch_from_parts(
+    tokens: torch.Tensor,
+    attention: torch.Tensor,
+    assistant: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantage: torch.Tensor,
+) -> TensorDict:
+    """The batch format from its `[B, T]` parts (the behaviour log-probs NaN off the response)
+    and a `[B, 1, 1]` advantage: what synthetic batches and benchmarks build."""
     return TensorDict(
         {
             TOKENS_KEY: tokens,
             ATTENTION_MASK_KEY: attention,
             ASSISTANT_MASK_KEY: assistant,
-            LOG_PROBS_KEY: log_probs,
+            LOG_PROBS_KEY: torch.where(assistant, log_probs, torch.nan),
             ADVANTAGE_KEY: advantage,
         },
-        batch_size=[batch_size],
+        batch_size=[tokens.shape[0]],
     )
 
 
@@ -205,13 +216,5 @@ def grouped_synthetic_batch(
     assistant = positions >= (start + prompt.unsqueeze(1))
     tokens = torch.where(assistant, own, torch.where(attention, shared, 0))
     log_probs = -torch.rand(rows, seq_len, generator=generator) * 3.0
-    return TensorDict(
-        {
-            TOKENS_KEY: tokens,
-            ATTENTION_MASK_KEY: attention,
-            ASSISTANT_MASK_KEY: assistant,
-            LOG_PROBS_KEY: torch.where(assistant, log_probs, torch.nan),
-            ADVANTAGE_KEY: torch.randn(rows, 1, 1, generator=generator),
-        },
-        batch_size=[rows],
-    )
+    advantage = torch.randn(rows, 1, 1, generator=generator)
+    return batch_from_parts(tokens, attention, assistant, log_probs, advantage)
