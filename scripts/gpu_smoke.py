@@ -4,6 +4,7 @@ numbers and exiting non-zero when the check fails (never "skipped" with exit 0).
     python scripts/gpu_smoke.py env                 # CUDA and every import the smoke needs
     python scripts/gpu_smoke.py parity [--device D] # 3 GRPO updates on D against the CPU reference
     python scripts/gpu_smoke.py chunked [--device D] # chunked log-probs against dense, on D
+    python scripts/gpu_smoke.py shared [--device D]  # shared prompts on D against the CPU's rows
     python scripts/gpu_smoke.py job DIR [--device D] [--steps N] [--off-policy-steps K]
                                                     # the toy job, metrics checked
 
@@ -82,16 +83,19 @@ def tiny_config(device: str, **learner):
     )
 
 
-def batches(steps: int):
+def batches(steps: int, grouped: bool = False):
+    """Varied rows; grouped: 4 groups of 4 rows sharing a prompt, as a rollout gives them."""
     import torch
 
-    from titan_learner.learner.batch import synthetic_batch
+    from titan_learner.learner.batch import grouped_synthetic_batch, synthetic_batch
 
     generator = torch.Generator().manual_seed(0)
+    if grouped:
+        return [grouped_synthetic_batch(4, 4, 48, 512, generator) for _ in range(steps)]
     return [synthetic_batch(8, 48, 512, generator, varied=True) for _ in range(steps)]
 
 
-def trained(device: str, steps: int = 3, **learner):
+def trained(device: str, steps: int = 3, grouped: bool = False, **learner):
     import torch
 
     from titan_learner.learner.local import LocalLearner
@@ -100,7 +104,7 @@ def trained(device: str, steps: int = 3, **learner):
     torch.backends.cudnn.allow_tf32 = False
     model = LocalLearner(tiny_config(device, **learner))
     losses = []
-    for batch in batches(steps):
+    for batch in batches(steps, grouped):
         metrics = model.update(batch.to(model.device))
         losses.append(float(metrics["loss_objective"]))
     return model, losses
@@ -139,6 +143,13 @@ def chunked(device: str) -> int:
     start = time.perf_counter()
     chunks = trained(device, steps=2, logprob_chunk_size=16)
     return compare("chunked", device, chunks, trained(device, steps=2), start)
+
+
+def shared(device: str) -> int:
+    """[learner] share_prompts on `device` (SDPA, picked by auto) against the CPU's rows."""
+    start = time.perf_counter()
+    candidate = trained(device, grouped=True, share_prompts=True)
+    return compare("shared", device, candidate, trained("cpu", grouped=True), start)
 
 
 def job(directory: str, device: str, steps: int, off_policy_steps: int = 0) -> int:
@@ -191,7 +202,7 @@ def job(directory: str, device: str, steps: int, off_policy_steps: int = 0) -> i
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=["env", "parity", "chunked", "job"])
+    parser.add_argument("check", choices=["env", "parity", "chunked", "shared", "job"])
     parser.add_argument("directory", nargs="?", default="outputs/gpu_smoke/toy")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=20)
@@ -205,7 +216,7 @@ def main() -> int:
         return report(args.check, False, error="no CUDA device")
     if args.check == "job":
         return job(args.directory, args.device, args.steps, args.off_policy_steps)
-    return parity(args.device) if args.check == "parity" else chunked(args.device)
+    return {"parity": parity, "chunked": chunked, "shared": shared}[args.check](args.device)
 
 
 if __name__ == "__main__":

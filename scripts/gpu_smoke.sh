@@ -82,6 +82,7 @@ check step 200 "$PYTHON" scripts/bench_step.py --config configs/debug.toml \
 check job 150 "$PYTHON" scripts/gpu_smoke.py job "$OUT_DIR/toy" --steps 20
 check job_k1 100 "$PYTHON" scripts/gpu_smoke.py job "$OUT_DIR/toy_k1" --steps 20 --off-policy-steps 1
 check chunked 60 "$PYTHON" scripts/gpu_smoke.py chunked
+check shared 60 "$PYTHON" scripts/gpu_smoke.py shared
 
 if ((${#failed[@]})); then
     echo "gpu_smoke: ${#failed[@]} check(s) failed: ${failed[*]} (${SECONDS}s); numbers in $RESULTS"

@@ -163,4 +163,12 @@ def test_share_prompts_without_its_needs_is_one_config_error(settings, found):
     message = str(raised.value)
     assert message.startswith("tests: [learner] share_prompts: share_prompts runs the decoder")
     assert found in message
-    assert 'allowed: logprob_chunk_size >= 1 and attention = "sdpa" (or "auto" on CPU)' in message
+    assert 'allowed: logprob_chunk_size >= 1 and attention = "sdpa" or "auto"' in message
+
+
+def test_auto_attention_is_sdpa_on_cuda_when_prompts_are_shared():
+    from titan_learner.config.validate import attention_backend
+
+    assert attention_backend(tiny_config(), "cuda") == "flex"
+    assert attention_backend(tiny_config(learner={"share_prompts": True}), "cuda") == "sdpa"
+    assert attention_backend(tiny_config(learner={"share_prompts": True}), "cpu") == "sdpa"

@@ -37,7 +37,8 @@ class ModelSection:
     name: Literal["llama3", "qwen3"] = "llama3"
     flavor: str = "debugmodel"
     attention: Literal["auto", "sdpa", "flex"] = "auto"
-    """auto: flex attention on CUDA, SDPA (causal) on CPU where flex has no backward."""
+    """auto: flex attention on CUDA (SDPA with [learner] share_prompts), SDPA (causal) on CPU
+    where flex has no backward."""
     hf_checkpoint: str | None = None
     """A Hugging Face safetensors directory to load weights from, converted by TorchTitan's adapter."""
     init: Literal["torchtitan", "transformers"] = "torchtitan"
@@ -115,7 +116,8 @@ class LearnerSection:
     """Run each prompt through the decoder once for all the rows that share it (a GRPO group's G
     completions), and no padding at all: the token-wise work shrinks to the tokens the loss
     needs, the result is the same (titan_learner.learner.shared_prompts). Needs the chunked
-    log-probs (logprob_chunk_size >= 1) and [model] attention = "sdpa"."""
+    log-probs (logprob_chunk_size >= 1) and SDPA attention ([model] attention = "sdpa", or
+    "auto", which then picks it on CUDA too)."""
 
 
 @dataclass

@@ -123,7 +123,7 @@ def validate_fields(config: Config) -> None:
             "share_prompts runs the decoder on a stream of tokens with TorchTitan's SDPA "
             f"attention and scores it in chunks; got logprob_chunk_size = "
             f"{learner.logprob_chunk_size} and [model] attention = '{config.model.attention}'; "
-            'allowed: logprob_chunk_size >= 1 and attention = "sdpa" (or "auto" on CPU)',
+            'allowed: logprob_chunk_size >= 1 and attention = "sdpa" or "auto"',
             source=config.source,
             where="[learner] share_prompts",
         )
@@ -227,10 +227,11 @@ def _requested_device(config: Config) -> str:
 
 
 def attention_backend(config: Config, device: str) -> str:
-    """Flex attention has no CPU backward in torch 2.13: CPU runs SDPA (causal only)."""
+    """Flex attention has no CPU backward in torch 2.13: CPU runs SDPA (causal only).
+    `auto` on CUDA is flex, or SDPA when [learner] share_prompts needs it."""
     requested = config.model.attention
     if requested == "auto":
-        return "flex" if device == "cuda" else "sdpa"
+        return "flex" if device == "cuda" and not config.learner.share_prompts else "sdpa"
     if requested == "flex" and device == "cpu":
         raise ConfigError(
             "'flex' has no backward on CPU in torch 2.13; allowed on CPU: auto, sdpa",

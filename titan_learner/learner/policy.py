@@ -77,8 +77,7 @@ class TitanPolicy(LLMWrapperBase):
         if share_prompts and (logprob_chunk_size < 1 or uses_flex_attention(model)):
             raise ValueError(
                 "share_prompts needs the chunked log-prob path (logprob_chunk_size >= 1) and "
-                'TorchTitan\'s SDPA attention ([model] attention = "sdpa"; "auto" is flex '
-                "on CUDA)"
+                'TorchTitan\'s SDPA attention ([model] attention = "sdpa" or "auto")'
             )
         if share_prompts:
             enable_prompt_sharing(model)
