@@ -74,13 +74,12 @@ class TitanPolicy(LLMWrapperBase):
         super().__init__()
         if logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size must be >= 0, got {logprob_chunk_size}")
-        if share_prompts and (logprob_chunk_size < 1 or uses_flex_attention(model)):
-            raise ValueError(
-                "share_prompts needs the chunked log-prob path (logprob_chunk_size >= 1) and "
-                'TorchTitan\'s SDPA attention ([model] attention = "sdpa" or "auto")'
-            )
         if share_prompts:
-            enable_prompt_sharing(model)
+            if logprob_chunk_size < 1:
+                raise ValueError(
+                    "share_prompts needs the chunked log-prob path (logprob_chunk_size >= 1)"
+                )
+            enable_prompt_sharing(model)  # raises unless the model runs TorchTitan's SDPA
         self.model = model
         self.logprob_chunk_size = logprob_chunk_size
         self.share_prompts = share_prompts

@@ -118,8 +118,9 @@ def enable_prompt_sharing(model: nn.Module) -> None:
             wrapped += 1
     if not wrapped:
         raise ValueError(
-            "share_prompts needs TorchTitan's SDPA attention (found no ScaledDotProductAttention "
-            "in the model; flex attention is not supported)"
+            'share_prompts needs TorchTitan\'s SDPA attention ([model] attention = "sdpa" or '
+            '"auto"); found no ScaledDotProductAttention in the model (flex attention is not '
+            "supported)"
         )
 
 
@@ -164,14 +165,13 @@ def plan_stream(
     first = torch.where(scored.any(1), scored.to(torch.int8).argmax(1), length)
     # The last scored position: the row's own tokens before it are read (hidden states, keys).
     needed = torch.where(scored, columns, 0).amax(1)
-    shares = torch.zeros(
-        batch, dtype=torch.bool, device=device
-    )  # the same prompt as the row before
+    # Whether a row has the same (non-empty) prompt as the row before it.
+    shares = torch.zeros(batch, dtype=torch.bool, device=device)
     if batch > 1:
         agree = (justified[1:] == justified[:-1]) | (columns >= first[1:, None])
         shares[1:] = agree.all(1) & (first[1:] == first[:-1]) & (first[1:] > 0)
-    rows_index = torch.arange(batch, device=device)
-    leader = torch.where(shares, 0, rows_index).cummax(0).values  # each group's first row
+    row_ids = torch.arange(batch, device=device)
+    leader = torch.where(shares, 0, row_ids).cummax(0).values  # each group's first row
     # A group's prompt is needed when any of its rows scores a token (they all read it whole).
     group_needed = torch.zeros_like(needed).scatter_reduce(0, leader, needed, "amax")[leader]
     in_prompt = columns < first[:, None]
