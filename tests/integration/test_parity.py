@@ -6,6 +6,7 @@ One spawned gloo world per size runs every layout of that size, so each world is
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -95,6 +96,8 @@ WORLD2 = {
         "sections": {"parallelism": {"tp": 2, "dp_shard": 1}, "learner": {"share_prompts": True}},
         "grouped": True,
     },
+    # Rank 0's loss is NaN at step 1: both ranks drop that step, and only that step.
+    "poisoned dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}}, "poisoned_step": 1},
     "varied kl dp_shard=2 accumulate 2": {
         "sections": {
             "parallelism": {"dp_shard": 2},
@@ -133,11 +136,17 @@ WORLD4 = {
 
 
 def local_run(
-    model: str, varied: bool = False, loss: dict | None = None, grouped: bool = False
+    model: str,
+    varied: bool = False,
+    loss: dict | None = None,
+    grouped: bool = False,
+    skipped: int | None = None,
 ) -> dict:
-    """The one-process reference: one update per global batch (prompts never shared)."""
+    """The one-process reference: one update per global batch (prompts never shared), but
+    the `skipped`-th."""
     learner = LocalLearner(tiny_config(model, loss=loss or {}))
     steps = batches(STEPS, varied=varied, grouped=grouped)
+    steps = [batch for i, batch in enumerate(steps) if i != skipped]
     if learner.config.loss.kwargs.get("kl_to_ref_coeff"):
         steps = [with_ref_log_probs(batch) for batch in steps]
     metrics = [dict(learner.update(batch).items()) for batch in steps]
@@ -241,7 +250,7 @@ def test_one_process_titan_learner_matches_local(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(WORLD2))
+@pytest.mark.parametrize("layout", [name for name in WORLD2 if name != "poisoned dp_shard=2"])
 def test_two_process_layouts_match_local(world2, reference, qwen3_reference, layout):
     reference = reference_for(layout, reference, qwen3_reference)
     rank0, rank1 = world2
@@ -251,6 +260,21 @@ def test_two_process_layouts_match_local(world2, reference, qwen3_reference, lay
     assert rank1[layout]["weights"] == {}, "get_weights() must be empty off rank 0"
     # every rank reports the same data-parallel-averaged metrics
     assert rank0[layout]["metrics"] == rank1[layout]["metrics"]
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_rank_drops_that_step_on_every_rank(world2):
+    """Rank 0's loss is NaN at step 1: both ranks skip its optimizer step and report its loss
+    terms as NaN; the other steps equal the one-process run without that batch."""
+    rank0, rank1 = (rank["poisoned dp_shard=2"] for rank in world2)
+    for mine, theirs in zip(rank0["metrics"], rank1["metrics"], strict=True):
+        assert mine == pytest.approx(theirs, nan_ok=True)  # the same on every rank, NaN too
+    dropped = rank0["metrics"][1]
+    assert "grad_norm" not in dropped and dropped["skipped_nonfinite_steps"] == 1
+    assert all(math.isnan(v) for k, v in dropped.items() if k.startswith("loss")), dropped
+    assert all(math.isfinite(v) for k, v in dropped.items() if not k.startswith("loss"))
+    kept = {**rank0, "metrics": [rank0["metrics"][0], rank0["metrics"][2]]}
+    assert_matches(kept, local_run("llama3", skipped=1))
 
 
 @pytest.mark.slow

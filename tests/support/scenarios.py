@@ -23,6 +23,7 @@ def train_layout(
     model: str = "llama3",
     varied: bool = False,
     grouped: bool = False,
+    poisoned_step: int | None = None,
 ) -> dict[str, Any]:
     """STEPS updates on the shared synthetic batches; metrics on every rank, weights on rank 0.
 
@@ -30,13 +31,16 @@ def train_layout(
     unequal sizes, 1/4 and 3/4 of the rows, when varied); varied=True: rows train different
     numbers of tokens (`synthetic_batch(varied=True)`), and every micro-batch gets the
     window's `step_counts`; grouped=True: rows in groups sharing a prompt, as rollouts are.
+    poisoned_step=i: rank 0's advantages are NaN at step i (a non-finite loss on one rank).
     """
     config = tiny_config(model, **sections)
     learner = TitanLearner.from_config(config)
     needs_ref = bool(config.loss.kwargs.get("kl_to_ref_coeff"))
     metrics = []
-    for batch in batches(steps, varied=varied, grouped=grouped):
+    for step, batch in enumerate(batches(steps, varied=varied, grouped=grouped)):
         local = learner.local_batch(with_ref_log_probs(batch) if needs_ref else batch)
+        if step == poisoned_step and torch.distributed.get_rank() == 0:
+            local["advantage"] = torch.full_like(local["advantage"], float("nan"))
         if accumulate:
             cut = max(1, local.batch_size[0] // 4) if varied else local.batch_size[0] // 2
             micros = [local[:cut], local[cut:]]

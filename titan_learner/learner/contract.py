@@ -188,12 +188,26 @@ class Learner:
             )
         for key in loss_keys:  # TorchRL's prompt_mean reduces to shape [1]: one value all the same
             out[key] = out[key].reshape(())
-        finite, summed = self._agree(torch.isfinite(total.detach()))
+        # Across processes the update's metrics ride on the agreement's collective.
+        riding = self._in_update and self._several_processes()
+        terms, payload = MetricTerms(), None
+        if riding:
+            terms = metric_terms(out)
+            payload = self._window.payload(
+                terms,
+                self._normalization.counts,
+                self.loss_module,
+                dist.get_world_size(),
+                dist.get_rank(),
+            )
+        finite, summed, metrics = self._agree(torch.isfinite(total.detach()), payload)
         if not finite:
             for key in loss_keys:
                 out[key] = out[key] * torch.nan
+        if riding:
+            self._window.add_summed(terms.keys, metrics, dist.get_world_size(), not finite)
         if self._in_update:  # see titan_learner.learner.normalization
-            self._terms = metric_terms(out)
+            self._terms = MetricTerms() if riding else metric_terms(out)
             accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
             scales = self._normalization.scales(
                 summed, self.capabilities.data_parallel_size, accumulation
@@ -307,29 +321,39 @@ class Learner:
         """The largest `count` of any data-parallel rank (one all-reduce)."""
         return int(self._reduce({}, {"count": float(count)})[1]["count"])
 
-    def _agree(self, finite: torch.Tensor) -> tuple[bool, dict[str, float] | None]:
-        """One collective before backward: is the loss finite on every rank, and the pending
-        counts (`StepNormalization.begin`) summed over data-parallel ranks.
+    def _several_processes(self) -> bool:
+        return dist.is_initialized() and self.capabilities.world_size > 1
+
+    def _agree(
+        self, finite: torch.Tensor, payload: torch.Tensor | None = None
+    ) -> tuple[bool, dict[str, float] | None, list[float]]:
+        """One collective before backward: is the loss finite on every rank, the pending
+        counts (`StepNormalization.begin`) summed over data-parallel ranks, and `payload`
+        (`WindowMetrics.payload`) summed over the world.
 
         A rank that skipped backward while others ran it would hang the gradient collectives,
         so the drop decision is taken over the whole world. Ranks of one tensor-parallel group
-        hold the same batch: the world's sum of the counts is their sum times the TP size.
+        hold the same batch: the world's sum of the counts is their sum times the TP size (the
+        payload's weighted terms and weights both carry that factor, which their ratios drop).
         In a one-process world there is nothing to agree on: the flag alone is read.
         """
         pending = self._pending or {}
-        if not (dist.is_initialized() and self.capabilities.world_size > 1):
-            return bool(finite), dict(pending) if self._pending is not None else None
+        if not self._several_processes():
+            return bool(finite), dict(pending) if self._pending is not None else None, []
+        device = finite.device
         local = torch.cat(
             [
                 (~finite).to(torch.float64).reshape(1),
-                torch.tensor(list(pending.values()), dtype=torch.float64, device=finite.device),
+                torch.tensor(list(pending.values()), dtype=torch.float64, device=device),
+                torch.zeros(0, dtype=torch.float64) if payload is None else payload.to(device),
             ]
         )
         dist.all_reduce(local)
-        nonfinite, *sums = local.tolist()
+        nonfinite, *values = local.tolist()
+        sums, rest = values[: len(pending)], values[len(pending) :]
         tp = self.capabilities.tensor_parallel_size
         summed = dict(zip(pending, (v / tp for v in sums), strict=True))
-        return nonfinite == 0, summed if self._pending is not None else None
+        return nonfinite == 0, summed if self._pending is not None else None, rest
 
     def _reduce(
         self, sums: dict[str, float], maxima: dict[str, float] | None = None
