@@ -45,6 +45,9 @@ def one_process(rank: int, output_dir: str) -> dict:
     reference.policy.logprob_chunk_size = 5  # the chunked path scores the same
     chunked = reference.log_probs(batch)
     reference.policy.logprob_chunk_size = 0
+    # Rollout-shaped rows, scored where the KL reads them, each group's prompt run once
+    grouped = check_batch(batches(1, grouped=True)[0], VOCAB, needs_ref_log_probs=False)
+    sharing = ReferenceModel(tiny_config(**KL, learner={"share_prompts": True}))
     kl = []
     for micro in train:
         micro.set(REF_LOG_PROBS_KEY, reference.log_probs(micro))
@@ -59,6 +62,9 @@ def one_process(rank: int, output_dir: str) -> dict:
         "frozen": all(not p.requires_grad and p.grad is None for p in reference.model.parameters()),
         "eval": not reference.model.training,
         "kl": kl,
+        "grouped": grouped.select(ATTENTION_MASK_KEY, ASSISTANT_MASK_KEY),
+        "grouped_every_token": reference.log_probs(grouped),
+        "grouped_kl": sharing.kl_log_probs(grouped),
         "job": short_run(rank, output_dir, 2, ["loss.kl_to_ref_coeff=0.1", *ACCUMULATE]),
     }
 
@@ -95,6 +101,16 @@ def test_kl_to_ref_is_zero_at_step_one_then_grows_while_the_reference_stays(sing
         assert m["loss_kl_to_ref"] == pytest.approx(0.1 * m["kl_to_ref"], rel=1e-5, abs=1e-12)
     assert torch.equal(single["ref_after_training"], single["ref"])
     assert single["frozen"] and single["eval"]
+
+
+def test_kl_log_probs_score_the_response_alone_sharing_prompts(single):
+    """What the KL reads (the response, under "rlhf" masking) equals scoring every token."""
+    grouped = single["grouped"]
+    response = grouped.get(ASSISTANT_MASK_KEY) & grouped.get(ATTENTION_MASK_KEY)
+    kl, every = single["grouped_kl"], single["grouped_every_token"]
+    assert response.any() and (~response & grouped.get(ATTENTION_MASK_KEY)).any()
+    torch.testing.assert_close(kl[response], every[response], atol=1e-6, rtol=0)
+    assert (kl[~response] == 0).all()
 
 
 def test_grpo_job_with_kl_reports_the_kl_terms(single):

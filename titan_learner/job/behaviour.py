@@ -97,9 +97,9 @@ class BehaviourScorer:
     def _mismatch(self, batch: TensorDictBase) -> dict[str, float]:
         """|generator - learner| log-prob over the sampled tokens, over all data-parallel ranks."""
         device = self.frozen.device
-        scored = self.frozen.log_probs(batch)
         behaviour = batch.get(LOG_PROBS_KEY).to(device)
         sampled = torch.isfinite(behaviour) & batch.get(ATTENTION_MASK_KEY).to(device)
+        scored = self.frozen.log_probs(batch, sampled)  # prompts once each, sharing them
         gap = (scored - behaviour)[sampled].abs().double()
         sums, maxima = sums_and_maxima_over(
             self.learner.data_parallel_group,

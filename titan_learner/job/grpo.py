@@ -211,7 +211,7 @@ def train_on(
     counts = None if budget else step_counts(micros)  # the step's mean is over all its tokens
     for micro in micros:
         if reference is not None:  # a collective, per micro-batch (bounded like the update)
-            micro.set(REF_LOG_PROBS_KEY, reference.log_probs(micro))
+            micro.set(REF_LOG_PROBS_KEY, reference.kl_log_probs(micro))
         metrics = {k: float(v) for k, v in learner.update(micro, step_counts=counts).items()}
     if not on_policy:  # the learner's weights moved on: not an engine mismatch
         for key in ("logprob_mismatch", "logprob_mismatch_max"):

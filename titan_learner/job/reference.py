@@ -9,9 +9,11 @@ would be padded with `ref_log_prob_padding_value` (0.0 by default).
 
 `ReferenceModel` is the policy's starting point, frozen: built by `build_model(config)`
 from the same config as the learner (same initial weights, same TorchTitan sharding), parameters
-without gradients, eval mode, no optimizer. `log_probs` scores every real token (the attention
-mask), so the values are right whatever positions the loss's masking strategy keeps, and writes
-0.0 on padding. The first real token of a row has no predecessor and scores -log(V) (a uniform
+without gradients, eval mode, no optimizer. `log_probs` scores the positions its caller reads
+(`kl_log_probs`: the response under the default "rlhf" masking; every real token under the
+other strategies) and writes 0.0 elsewhere. Scoring only the response lets `[learner]
+share_prompts` run each group's prompt once in the reference's forward too, as in the
+learner's. The first real token of a row has no predecessor and scores -log(V) (a uniform
 distribution), as in the policy's own shifted convention.
 """
 
@@ -24,7 +26,8 @@ from tensordict import TensorDictBase
 from torch.distributed.fsdp import FSDPModule
 
 from titan_learner.dtypes import DTYPES
-from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY
+from titan_learner.learner.batch import ASSISTANT_MASK_KEY, ATTENTION_MASK_KEY, TOKENS_KEY
+from titan_learner.learner.losses import LOSS_DEFAULTS
 from titan_learner.learner.policy import TitanPolicy
 from titan_learner.model.build import build_model
 
@@ -58,8 +61,12 @@ class ReferenceModel:
         self.device = built.device
         learner = config.learner
         self.policy = TitanPolicy(
-            self.model, logprob_chunk_size=learner.logprob_chunk_size, compute_entropy=False
+            self.model,
+            logprob_chunk_size=learner.logprob_chunk_size,
+            compute_entropy=False,
+            share_prompts=learner.share_prompts,
         )
+        self._masking = {**LOSS_DEFAULTS, **config.loss.kwargs}.get("masking_strategy")
         # The learner's loss runs under this autocast: score the reference the same way.
         self._autocast = {
             "device_type": self.device.type,
@@ -68,23 +75,32 @@ class ReferenceModel:
         }
 
     @torch.no_grad()
-    def log_probs(self, batch: TensorDictBase) -> torch.Tensor:
-        """Float32 `[B, T]` reference log-probs of the batch's tokens; 0.0 on padding.
+    def log_probs(self, batch: TensorDictBase, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 `[B, T]` reference log-probs of the batch's tokens where `mask` is True
+        (every real token without one); 0.0 elsewhere and on padding.
 
         A collective: every rank calls it (see the class docstring).
         """
         tokens = batch.get(TOKENS_KEY).to(self.device)
         attention = batch.get(ATTENTION_MASK_KEY).to(self.device)
+        scored_at = attention if mask is None else attention & mask.to(self.device)
         with torch.autocast(**self._autocast):
             if self.policy.logprob_chunk_size:  # no [B, T, V] logits; 0 off the mask
-                scored = self.policy.token_dist(tokens, attention, attention).log_prob(tokens)
+                scored = self.policy.token_dist(tokens, attention, scored_at).log_prob(tokens)
                 self._reshard()
                 return scored
             logits = self.policy.token_logits(tokens, attention)
         self._reshard()
         targets = torch.where(attention, tokens, 0).unsqueeze(-1)  # padding ids may be anything
         scored = logits.log_softmax(-1).gather(-1, targets).squeeze(-1)
-        return torch.where(attention, scored, 0.0)
+        return torch.where(scored_at, scored, 0.0)
+
+    def kl_log_probs(self, batch: TensorDictBase) -> torch.Tensor:
+        """`log_probs` where TorchRL's KL to the reference reads them: its token mask keeps the
+        response (the assistant mask, under the default "rlhf" masking) and zeroes every other
+        position on both sides; every real token under the other masking strategies."""
+        rlhf = self._masking == "rlhf"
+        return self.log_probs(batch, batch.get(ASSISTANT_MASK_KEY) if rlhf else None)
 
     def _reshard(self) -> None:
         """Free the gathered weights: a forward without backward leaves FSDP groups unsharded
