@@ -27,6 +27,7 @@ EXPECTED = Counter(
         "token_dist": 1,  # how many positions are scored (before the decoder's forward)
         "_agree": 1,  # the loss is finite on every rank, and the step's counts
         "values": 1,  # the metrics, once, after the optimizer step
+        "step": 1,  # the gradient norm, for the stepper's non-finite guard (as TorchRL's does)
     }
 )
 

@@ -73,10 +73,12 @@ class Learner:
     """A policy model, a TorchRL loss and a TorchRL optimization stepper behind one contract.
 
     The stepper drives each `update`: it calls back `compute_loss` and reads `loss_module`,
-    `optimizer`, `clip_grad_norm` and `clip_norm` from this object (its "trainer").
+    `optimizer`, `clip_grad_norm` and `clip_norm` from this object (its "trainer"), and the
+    learner's own stepper `loss_agreed_finite` (compute_loss's agreement over the world).
     """
 
     clip_grad_norm = True
+    loss_agreed_finite: bool | None = None
     parallel_dims: ParallelDims | None = None  # TorchTitan's mesh; None for LocalLearner
 
     def __init__(
@@ -201,6 +203,7 @@ class Learner:
                 dist.get_rank(),
             )
         finite, summed, metrics = self._agree(torch.isfinite(total.detach()), payload)
+        self.loss_agreed_finite = finite  # the stepper's guard reads it instead of the device
         if not finite:
             for key in loss_keys:
                 out[key] = out[key] * torch.nan
