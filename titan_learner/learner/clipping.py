@@ -16,6 +16,7 @@ in a world of several processes, mixed devices or dtypes) take torch's own funct
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -55,6 +56,13 @@ def _local_shards(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[i
     return shards, replicas
 
 
+@functools.cache
+def _replica_counts(replicas: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The counts as a device tensor, made once: a copy to a GPU at every step would wait for
+    the kernels queued before it."""
+    return torch.tensor(replicas, dtype=torch.float64, device=device)
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the gradients of `parameters` in place to a global 2-norm of at most `max_norm`;
@@ -70,8 +78,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         return nn.utils.clip_grad_norm_(params, max_norm)
     shards, replicas = local
     norms = torch.stack(torch._foreach_norm(shards)).double()
-    weight = torch.tensor(replicas, dtype=torch.float64, device=norms.device)
-    squared = (norms.square() / weight).sum()
+    squared = (norms.square() / _replica_counts(tuple(replicas), norms.device)).sum()
     if _world_size() > 1:
         dist.all_reduce(squared)
     total = squared.sqrt().to(shards[0].dtype)
