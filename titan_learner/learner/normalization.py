@@ -211,18 +211,24 @@ class WindowMetrics:
     ) -> None:
         """One micro-batch's terms, weighted by its counts (no collective)."""
         for key, value in terms.items():
-            if key.endswith(MAX_SUFFIX):
-                if counts[TOKENS] > 0:  # a maximum over no trained token says nothing
-                    self.maxima[key] = max(self.maxima.get(key, -math.inf), value)
-                else:
-                    self.maxima.setdefault(key, -math.inf)
-                continue
-            weight = counts[term_kind(loss_module, key)]
-            self.sums.setdefault(key, 0.0)
-            self.weights.setdefault(key, 0.0)
-            if weight > 0:  # a term over nothing (no trained token) says nothing
-                self.sums[key] += weight * value
-                self.weights[key] += weight
+            if key.endswith(MAX_SUFFIX):  # a maximum over no trained token says nothing
+                self._top(key, value if counts[TOKENS] > 0 else -math.inf)
+            else:
+                weight = counts[term_kind(loss_module, key)]
+                self._accumulate(key, weight * value, weight)
+
+    def _accumulate(self, key: str, weighted: float, weight: float) -> None:
+        """A mean term's weighted value and its weight; a term over nothing (no trained
+        token) says nothing, but its key is reported."""
+        self.sums.setdefault(key, 0.0)
+        self.weights.setdefault(key, 0.0)
+        if weight > 0:
+            self.sums[key] += weighted
+            self.weights[key] += weight
+
+    def _top(self, key: str, value: float) -> None:
+        """A `*_max` term's value (-inf: none)."""
+        self.maxima[key] = max(self.maxima.get(key, -math.inf), value)
 
     @staticmethod
     def payload(
@@ -260,17 +266,11 @@ class WindowMetrics:
         weighted, weights, maxima = summed[:count], summed[count : 2 * count], summed[2 * count :]
         tops = [key for key in keys if key.endswith(MAX_SUFFIX)]
         for i, key in enumerate(keys):
-            if key in tops:
-                continue
-            self.sums.setdefault(key, 0.0)
-            self.weights.setdefault(key, 0.0)
-            if weights[i] > 0:
+            if key not in tops:
                 poisoned = dropped and key.startswith("loss")
-                self.sums[key] += math.nan if poisoned else weighted[i]
-                self.weights[key] += weights[i]
+                self._accumulate(key, math.nan if poisoned else weighted[i], weights[i])
         for j, key in enumerate(tops):
-            largest = max(maxima[s * len(tops) + j] for s in range(slots))
-            self.maxima[key] = max(self.maxima.get(key, -math.inf), largest)
+            self._top(key, max(maxima[s * len(tops) + j] for s in range(slots)))
         self.summed = True
 
     def result(
