@@ -6,9 +6,9 @@
 
 `[optimizer] implementation = "auto"` means torch's fused Adam/AdamW kernels on CUDA and
 `foreach` on a CPU, where the fused ones run too. This measures what they would save there:
-the learner is built from the config (its model sharded as configured), then two of its optimizers, one `foreach` and one `fused`, step the same
-parameters with the same gradients, taking turns (drift meets both alike). Printed: each
-one's median step time, `ratio fused/foreach`, and how far one step of each, from the same
+the learner is built from the config (its model sharded as configured), then two of its
+optimizers, one `foreach` and one `fused`, step the same parameters with the same gradients,
+taking turns (drift meets both alike). Printed: each one's median step time, `ratio fused/foreach`, and how far one step of each, from the same
 weights and an empty state, lands apart (the largest parameter difference).
 """
 
@@ -59,16 +59,18 @@ def one_step_gap(learner: TitanLearner, optimizers: dict) -> float:
     """The largest |parameter difference| after one step of each from the same weights."""
     params = [p for p in learner.model.parameters() if p.grad is not None]
     start = [p.detach().clone() for p in params]
-    after = {}
-    for name, optimizer in optimizers.items():
-        with torch.no_grad():
-            for p, s in zip(params, start, strict=True):
-                p.copy_(s)
-        optimizer.step()
-        after[name] = [full(p) for p in params]
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def restore() -> None:
         for p, s in zip(params, start, strict=True):
             p.copy_(s)
+
+    after = {}
+    for name, optimizer in optimizers.items():
+        restore()
+        optimizer.step()
+        after[name] = [full(p) for p in params]
+    restore()
     pairs = zip(*(after[name] for name in IMPLEMENTATIONS), strict=True)
     return max(float((a - b).abs().max()) for a, b in pairs)
 
