@@ -78,7 +78,10 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         return nn.utils.clip_grad_norm_(params, max_norm)
     shards, replicas = local
     norms = torch.stack(torch._foreach_norm(shards)).double()
-    squared = (norms.square() / _replica_counts(tuple(replicas), norms.device)).sum()
+    squared = norms.square()
+    if any(count != 1 for count in replicas):  # x / 1 is x: no division in a world of one
+        squared = squared / _replica_counts(tuple(replicas), norms.device)
+    squared = squared.sum()
     if _world_size() > 1:
         dist.all_reduce(squared)
     total = squared.sqrt().to(shards[0].dtype)

@@ -11,7 +11,9 @@ rank of the world, the same number of times, in the same order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -181,7 +183,7 @@ class Learner:
                 f"{type(self.loss_module).__name__} returned no key starting with 'loss' "
                 f"(got {sorted(map(str, out))}); the learner trains on their sum"
             )
-        total = sum(out[k] for k in loss_keys)
+        total = functools.reduce(operator.add, (out[k] for k in loss_keys))
         if total.numel() != 1:
             raise ValueError(
                 f"the summed loss has shape {tuple(total.shape)}, not a scalar: the loss module "
@@ -189,7 +191,8 @@ class Learner:
                 "not 'none')"
             )
         for key in loss_keys:  # TorchRL's prompt_mean reduces to shape [1]: one value all the same
-            out[key] = out[key].reshape(())
+            if out[key].dim():
+                out[key] = out[key].reshape(())
         # Across processes the update's metrics ride on the agreement's collective.
         riding = self._in_update and self._several_processes()
         terms, payload = MetricTerms(), None
@@ -202,7 +205,7 @@ class Learner:
                 dist.get_world_size(),
                 dist.get_rank(),
             )
-        finite, summed, metrics = self._agree(torch.isfinite(total.detach()), payload)
+        finite, summed, metrics = self._agree(total.detach(), payload)
         self.loss_agreed_finite = finite  # the stepper's guard reads it instead of the device
         if not finite:
             for key in loss_keys:
@@ -216,7 +219,9 @@ class Learner:
                 summed, self.capabilities.data_parallel_size, accumulation
             )
             for key in loss_keys:
-                out[key] = out[key] * scales[term_kind(self.loss_module, key)]
+                scale = scales[term_kind(self.loss_module, key)]
+                if scale != 1.0:  # one process, one micro-batch: 1.0, and x * 1.0 is x
+                    out[key] = out[key] * scale
         return TensorDict(out, batch_size=[])
 
     # -- the contract -------------------------------------------------------------------------
@@ -328,9 +333,9 @@ class Learner:
         return dist.is_initialized() and self.capabilities.world_size > 1
 
     def _agree(
-        self, finite: torch.Tensor, payload: torch.Tensor | None = None
+        self, loss: torch.Tensor, payload: torch.Tensor | None = None
     ) -> tuple[bool, dict[str, float] | None, list[float]]:
-        """One collective before backward: is the loss finite on every rank, the pending
+        """One collective before backward: is the (summed) loss finite on every rank, the pending
         counts (`StepNormalization.begin`) summed over data-parallel ranks, and `payload`
         (`WindowMetrics.payload`) summed over the world.
 
@@ -338,15 +343,17 @@ class Learner:
         so the drop decision is taken over the whole world. Ranks of one tensor-parallel group
         hold the same batch: the world's sum of the counts is their sum times the TP size (the
         payload's weighted terms and weights both carry that factor, which their ratios drop).
-        In a one-process world there is nothing to agree on: the flag alone is read.
+        In a one-process world there is nothing to agree on: the loss alone is read (one
+        value, where `torch.isfinite` would be four operators on a CPU before the same read).
         """
         pending = self._pending or {}
         if not self._several_processes():
-            return bool(finite), dict(pending) if self._pending is not None else None, []
-        device = finite.device
+            finite = math.isfinite(float(loss))
+            return finite, dict(pending) if self._pending is not None else None, []
+        device = loss.device
         local = torch.cat(
             [
-                (~finite).to(torch.float64).reshape(1),
+                (~torch.isfinite(loss)).to(torch.float64).reshape(1),
                 torch.tensor(list(pending.values()), dtype=torch.float64, device=device),
                 torch.zeros(0, dtype=torch.float64) if payload is None else payload.to(device),
             ]

@@ -176,11 +176,12 @@ class TokenScorer:
     index in the flattened `[B * T]` batch is `positions[i]` (row-major over the mask).
     Positions with `unscored[i]` are first in their sequence: the shifted convention gives them
     all-zero logits, i.e. a uniform distribution, which is reproduced here as constants so the
-    results equal the dense path's.
+    results equal the dense path's. `unscored` is None when no position is (the usual case: a
+    response follows its prompt), which spares the selections.
     """
 
     hidden: torch.Tensor
-    unscored: torch.Tensor
+    unscored: torch.Tensor | None
     positions: torch.Tensor
     head: Head
     vocab_size: int
@@ -193,6 +194,8 @@ class TokenScorer:
         token, entropy = chunked_token_stats(
             self.hidden, targets, self.head, self.chunk_size, with_entropy
         )
+        if self.unscored is None:
+            return token, entropy
         uniform = math.log(self.vocab_size)
         token = torch.where(self.unscored.unsqueeze(-1), -uniform, token)
         if entropy is not None:
@@ -211,6 +214,8 @@ class TokenScorer:
         if not draws:
             return torch.zeros(shape, dtype=torch.long, device=self.hidden.device)
         drawn = torch.cat(draws, dim=-1)
+        if self.unscored is None:
+            return drawn
         uniform = torch.randint_like(drawn, self.vocab_size)
         return torch.where(self.unscored, uniform, drawn)
 

@@ -144,15 +144,18 @@ class TitanPolicy(LLMWrapperBase):
             else None
         )
         # The one host synchronization of the path, taken before the decoder's forward is
-        # queued so that on a GPU it waits for no kernel: how many positions are scored, and
-        # the last justified position any of them takes (and, sharing prompts, how many tokens
-        # the stream holds). The decoder runs up to the one before it: no scored token reads a
-        # later hidden state (the last position of the longest row never does), so the forward
-        # and backward skip that work.
-        counts = [mask.sum(), torch.where(mask, inverse, 0).amax()] if mask.numel() else []
+        # queued so that on a GPU it waits for no kernel: how many positions are scored, the
+        # last justified position any of them takes, how many have a position before them
+        # (and, sharing prompts, how many tokens the stream holds). The decoder runs up to the
+        # one before the last: no scored token reads a later hidden state (the last position
+        # of the longest row never does), so the forward and backward skip that work.
+        counts = []
+        if mask.numel():
+            columns = torch.where(mask, inverse, 0)
+            counts = [mask.sum(), columns.amax(), (columns > 0).sum()]
         if plan is not None:
             counts.append(plan.keep.sum())
-        count, last, *streamed = torch.stack(counts).tolist() if counts else (0, 0)
+        count, last, preceded, *streamed = torch.stack(counts).tolist() if counts else (0, 0, 0)
         positions = torch.nonzero_static(mask.reshape(-1), size=count).squeeze(1)  # row-major
         width = max(last, 1)
         rows = None
@@ -165,7 +168,7 @@ class TitanPolicy(LLMWrapperBase):
                 hidden = self._justified_forward(tokens, attention_mask, order, width)
         if isinstance(hidden, DTensor):  # tensor parallel: the final norm's output, replicated
             hidden = hidden.full_tensor()
-        scorer = self._scorer(hidden, inverse, positions, width, rows)
+        scorer = self._scorer(hidden, inverse, positions, width, rows, preceded < count)
         return ChunkedTokenCategorical(scorer, tokens, mask, with_entropy=self.compute_entropy)
 
     def _scorer(
@@ -175,6 +178,7 @@ class TitanPolicy(LLMWrapperBase):
         positions: torch.Tensor,
         width: int,
         rows: torch.Tensor | None = None,
+        any_unscored: bool = True,
     ) -> TokenScorer:
         """Keep, for each scored position (flat indices `positions` into the `[B, T]` batch,
         whose justified positions are `inverse`), the justified hidden state one position
@@ -183,13 +187,17 @@ class TitanPolicy(LLMWrapperBase):
 
         Only these `[N, D]` rows go on to the lm_head: unmasked positions score 0 and get no
         gradient in the dense distribution either, so skipping them changes nothing.
+        `any_unscored`: False when the caller knows every scored position has one before it.
         """
         column = inverse.reshape(-1).index_select(0, positions)
-        # A row's first real token has no position before it (`unscored`): the state it reads
-        # instead gets no gradient, as its score is replaced by a constant.
-        unscored = column == 0
         row = positions.div(inverse.shape[1], rounding_mode="floor")
-        before = (row * width + column - 1).clamp_min(0)
+        before = row * width + column - 1
+        unscored = None
+        if any_unscored:
+            # A row's first real token has no position before it (`unscored`): the state it
+            # reads instead gets no gradient, as its score is replaced by a constant.
+            unscored = column == 0
+            before = before.clamp_min(0)
         if rows is not None:  # the stream's index of that justified position
             before = rows.reshape(-1).index_select(0, before)
         return TokenScorer(

@@ -11,7 +11,9 @@ the local shards with one all-reduce.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -76,7 +78,9 @@ class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
                     "The loss module returned no 'loss_*' keys. "
                     "Make sure your loss module prefixes scalar outputs with 'loss'."
                 )
-            loss = sum(loss_items) / self.gradient_accumulation_steps
+            loss = functools.reduce(operator.add, loss_items)
+            if self.gradient_accumulation_steps != 1:
+                loss = loss / self.gradient_accumulation_steps
         metrics = self._reduce_metrics(losses_td)
         # The learner's compute_loss has agreed on it over the world already: no second read.
         finite = getattr(trainer, "loss_agreed_finite", None)
