@@ -57,9 +57,12 @@ def _local_shards(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[i
 
 
 @functools.cache
-def _replica_counts(replicas: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _replica_counts(replicas: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
     """The counts as a device tensor, made once: a copy to a GPU at every step would wait for
-    the kernels queued before it."""
+    the kernels queued before it. None when every shard is held once (one process, or FSDP
+    alone): x / 1 is x, so there is nothing to divide."""
+    if all(count == 1 for count in replicas):
+        return None
     return torch.tensor(replicas, dtype=torch.float64, device=device)
 
 
@@ -79,8 +82,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     shards, replicas = local
     norms = torch.stack(torch._foreach_norm(shards)).double()
     squared = norms.square()
-    if any(count != 1 for count in replicas):  # x / 1 is x: no division in a world of one
-        squared = squared / _replica_counts(tuple(replicas), norms.device)
+    counts = _replica_counts(tuple(replicas), norms.device)
+    if counts is not None:
+        squared = squared / counts
     squared = squared.sum()
     if _world_size() > 1:
         dist.all_reduce(squared)
