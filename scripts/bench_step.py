@@ -185,19 +185,29 @@ def autocast_of(learner: TitanLearner) -> torch.autocast:
 
 
 def optimizer_step(learner: TitanLearner) -> Callable[[], None]:
-    """What closes every phase's step but the learner's: clipping (when `[learner] clip_norm`
-    is set), the optimizer's step, the LR scheduler's, `zero_grad()`."""
+    """What closes every phase's step but the learner's, as TorchTitan's trainer does it:
+    torch's clipping (when `[learner] clip_norm` is set), torch's own optimizer step on the
+    DTensors (the learner's optimizers step the local shards, same state), the LR scheduler's
+    step, `zero_grad()`."""
     optimizer, clip_norm = learner.optimizer, learner.config.learner.clip_norm
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    upstream = [(torch_optimizer_class(inner).step, inner) for inner in optimizer.optimizers]
 
     def step() -> None:
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_norm)
-        optimizer.step()
+        for torch_step, inner in upstream:
+            torch_step(inner)
         learner.lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def torch_optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The torch.optim class the optimizer derives from (the learner's own AdamW subclasses
+    torch.optim.AdamW)."""
+    return next(c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim"))
 
 
 def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:

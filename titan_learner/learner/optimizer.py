@@ -1,4 +1,8 @@
-"""[optimizer] and [lr_scheduler] as TorchTitan's OptimizersContainer and LRSchedulersContainer."""
+"""[optimizer] and [lr_scheduler] as TorchTitan's OptimizersContainer and LRSchedulersContainer.
+
+The container's Adam and AdamW are `titan_learner.learner.local_shard_adam`'s: the same update,
+bit for bit, on each rank's local shards instead of through DTensor's dispatch.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ if TYPE_CHECKING:
 def build_optimizer(model: nn.Module, config: Config, device_type: str) -> OptimizersContainer:
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from titan_learner.learner.local_shard_adam import LocalShardOptimizersContainer
 
     o = config.optimizer
     implementation = o.implementation
@@ -35,7 +41,7 @@ def build_optimizer(model: nn.Module, config: Config, device_type: str) -> Optim
             )
         ],
     )
-    return OptimizersContainer(container_config, model_parts=[model])
+    return LocalShardOptimizersContainer(container_config, model_parts=[model])
 
 
 def build_lr_scheduler(optimizer: OptimizersContainer, config: Config) -> LRSchedulersContainer:
