@@ -83,6 +83,7 @@ from titan_learner.learner.batch import (
     grouped_synthetic_batch,
     synthetic_batch,
 )
+from titan_learner.learner.local_shard_adam import torch_step
 from titan_learner.learner.titan import TitanLearner
 from titan_learner.model.spec import uses_flex_attention
 
@@ -191,23 +192,16 @@ def optimizer_step(learner: TitanLearner) -> Callable[[], None]:
     step, `zero_grad()`."""
     optimizer, clip_norm = learner.optimizer, learner.config.learner.clip_norm
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    upstream = [(torch_optimizer_class(inner).step, inner) for inner in optimizer.optimizers]
+    optimizer_step = torch_step(optimizer)
 
     def step() -> None:
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_norm)
-        for torch_step, inner in upstream:
-            torch_step(inner)
+        optimizer_step()
         learner.lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
-
-
-def torch_optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
-    """The torch.optim class the optimizer derives from (the learner's own AdamW subclasses
-    torch.optim.AdamW)."""
-    return next(c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim"))
 
 
 def baseline_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:

@@ -16,6 +16,7 @@ from its parameter, complex parameters, `differentiable=True`) takes upstream's 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -114,6 +115,23 @@ class LocalShardAdam(torch.optim.Adam):
 
 class LocalShardAdamW(LocalShardAdam, torch.optim.AdamW):
     """torch.optim.AdamW (Adam with decoupled weight decay) stepping the local shards."""
+
+
+def torch_step(container: OptimizersContainer) -> Callable[[], None]:
+    """A step of each of `container`'s optimizers by torch's own class (on the DTensors, as
+    TorchTitan's container steps them): the baseline the benchmarks measure against."""
+    steps = []
+    for optimizer in container.optimizers:
+        upstream = next(
+            c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")
+        )
+        steps.append(functools.partial(upstream.step, optimizer))
+
+    def step() -> None:
+        for each in steps:
+            each()
+
+    return step
 
 
 class LocalShardOptimizersContainer(OptimizersContainer):
