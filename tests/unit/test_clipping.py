@@ -35,12 +35,12 @@ def test_equals_torch_clip_grad_norm(max_norm, dtypes):
     mine, theirs = with_grads(0, dtypes), with_grads(0, dtypes)
     norm = clip_grad_norm_(mine, max_norm)
     want = nn.utils.clip_grad_norm_(theirs, max_norm)
-    assert float(norm) == pytest.approx(float(want), rel=1e-6)
+    assert float(norm) == float(want)  # one process: torch's own computation, bit for bit
     for got, expected in zip(mine, theirs, strict=True):
         if expected.grad is None:
             assert got.grad is None
         else:
-            torch.testing.assert_close(got.grad, expected.grad, rtol=1e-6, atol=0)
+            assert torch.equal(got.grad, expected.grad)
     if max_norm < float(want):
         total = math.sqrt(sum(float(p.grad.double().square().sum()) for p in mine[:3]))
         assert total == pytest.approx(max_norm, rel=1e-5)

@@ -7,8 +7,9 @@ that was ~5% of an optimizer step. The same norm comes from the local shards: ea
 squared norm of a shard, divided by the number of ranks that hold that same shard (its replicas
 over the mesh dimensions where it is replicated), summed over the world once, counts every
 element of every gradient once. The result equals the DTensor computation up to float rounding
-(the sums are ordered differently), and the scaling is the same: every gradient multiplied by
-`max_norm / (norm + 1e-6)`, clamped to 1.
+(the sums are ordered differently; in a one-process world it is torch's own computation, bit
+for bit), and the scaling is the same: every gradient multiplied by `max_norm / (norm + 1e-6)`,
+clamped to 1.
 
 Gradients this cannot read (a `Partial` placement, a mesh smaller than the world, plain tensors
 in a world of several processes, mixed devices or dtypes) take torch's own function.
@@ -80,15 +81,17 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     if local is None:
         return nn.utils.clip_grad_norm_(params, max_norm)
     shards, replicas = local
-    norms = torch.stack(torch._foreach_norm(shards)).double()
-    squared = norms.square()
-    counts = _replica_counts(tuple(replicas), norms.device)
-    if counts is not None:
-        squared = squared / counts
-    squared = squared.sum()
-    if _world_size() > 1:
+    norms = torch.stack(torch._foreach_norm(shards))
+    if _world_size() == 1:  # torch's own total, so its clip to the bit: nothing to sum over ranks
+        total = torch.linalg.vector_norm(norms)
+    else:
+        squared = norms.double().square()
+        counts = _replica_counts(tuple(replicas), norms.device)
+        if counts is not None:
+            squared = squared / counts
+        squared = squared.sum()
         dist.all_reduce(squared)
-    total = squared.sqrt().to(shards[0].dtype)
+        total = squared.sqrt().to(shards[0].dtype)
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(shards, coefficient)
     return total

@@ -117,7 +117,8 @@ class _TokenStats(torch.autograd.Function):
     ) -> tuple[torch.Tensor, None, None]:
         log_probs, targets, entropy = ctx.saved_tensors
         probs = log_probs.exp()
-        weight = token_grad.sum(-1, keepdim=True)  # each target's onehot(y) - p, summed
+        # each target's onehot(y) - p, summed (one target per position: nothing to sum)
+        weight = token_grad if token_grad.shape[-1] == 1 else token_grad.sum(-1, keepdim=True)
         if entropy is None:
             grad = probs.mul_(weight).neg_()
         else:

@@ -78,8 +78,11 @@ class LogProbMismatch:
 
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
-        with torch.no_grad():  # masked, not indexed: a boolean index costs a host sync on GPUs
-            gap = torch.where(mask, log_weight.detach().reshape(mask.shape).abs(), 0.0).float()
+        # TorchRL zeroes both log-probs off `mask` before their difference, so the log-weight
+        # is exactly 0 there: its absolute value is the gap, masked (a boolean index would cost
+        # a host sync on GPUs). The sum and the maximum read it in any shape.
+        with torch.no_grad():
+            gap = log_weight.abs().float()
             if gap.numel():  # gaps are >= 0, so the zeros off the mask leave the max alone
                 self.logprob_mismatch = (gap.sum() / self.trained_count, gap.amax())
             else:
