@@ -73,3 +73,11 @@ def test_a_loss_mask_in_the_batch_takes_torchrl_path(monkeypatch):
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
     assert not torch.equal(ours["loss_objective"], without["loss_objective"])
+
+
+def test_the_loss_class_keeps_torchrl_forward_wrapped_once():
+    """TorchRL's metaclass wraps each new loss class's forward; ours keeps the class's own."""
+    from titan_learner.learner.losses import titan_loss_class
+
+    assert titan_loss_class(GRPOLoss).forward is GRPOLoss.forward
+    assert not hasattr(GRPOLoss.forward.__wrapped__, "__wrapped__")

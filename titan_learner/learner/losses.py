@@ -189,7 +189,12 @@ def titan_loss_class(cls: type) -> type:
         TrainedTokens,
         cls,
     )
-    return type(cls.__name__, bases, {"__module__": __name__})
+    mixed = type(cls.__name__, bases, {"__module__": __name__})
+    # TorchRL's loss metaclass wraps the forward of every class it makes (exploration and
+    # recurrent modes around each call) and so wrapped `cls.forward` a second time: the new
+    # class keeps `cls`'s, which enters both modes once per call.
+    mixed.forward = cls.forward
+    return mixed
 
 
 def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
