@@ -5,7 +5,7 @@ TorchTitan's optimizers step FSDP's (and TP's) DTensor parameters, so every fore
 the update goes through DTensor's dispatch: sharding propagation and wrapping for each of a
 dozen operators a step, whatever the model size. Adam is elementwise, and a parameter, its
 gradient and its two moments share one layout, so the same update on the local tensors is the
-same arithmetic on the same numbers: bit for bit the DTensor result, in ~0.6x the time of the
+same arithmetic on the same numbers: bit for bit the DTensor result, in 0.68-0.73x the time of the
 DTensor step on the 0.08 M model on a CPU (`docs/performance.md`). The optimizer's state stays the
 DTensors upstream creates, so checkpoints, their resharding and `load_state_dict` see no
 difference.
