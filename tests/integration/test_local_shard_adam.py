@@ -22,7 +22,7 @@ def assert_bit_equal(ours: dict, theirs: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp_shard=2", "tp=2"])
+@pytest.mark.parametrize("layout", ["dp_shard=2", "tp=2", "dp_shard=2 fused"])
 def test_the_local_step_equals_torch_adamw_on_dtensors(world2, layout):
     for rank in world2:
         result = rank[layout]

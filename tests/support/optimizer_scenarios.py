@@ -66,10 +66,13 @@ def _run(optimizer: torch.optim.Optimizer, params, replicate_first: bool) -> dic
     }
 
 
-def compare_with_torch_adamw(rank: int, parallelism: dict, replicate_first: bool) -> dict:
+def compare_with_torch_adamw(
+    rank: int, parallelism: dict, replicate_first: bool, implementation: str = "auto"
+) -> dict:
     """The learner's AdamW and torch's own, each STEPS steps from the same weights and
     gradients on one layout of the world."""
-    config = tiny_config(parallelism=parallelism, optimizer={"lr": 1e-2, "weight_decay": 0.1})
+    optimizer = {"lr": 1e-2, "weight_decay": 0.1, "implementation": implementation}
+    config = tiny_config(parallelism=parallelism, optimizer=optimizer)
     learner = TitanLearner.from_config(config)
     (inner,) = learner.optimizer.optimizers
     (group,) = inner.param_groups
@@ -79,7 +82,7 @@ def compare_with_torch_adamw(rank: int, parallelism: dict, replicate_first: bool
     with torch.no_grad():
         for param, value in zip(params, start, strict=True):
             param.copy_(value)
-    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "foreach")}
+    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "foreach", "fused")}
     theirs = _run(torch.optim.AdamW(params, **hyper), params, replicate_first)
     _set_grads(params, 0, replicate_first)
     grads = [p.grad for p in params]
@@ -97,6 +100,9 @@ def compare_layouts(rank: int) -> dict[str, dict]:
     return {
         "dp_shard=2": compare_with_torch_adamw(rank, {"dp_shard": 2}, replicate_first=False),
         "tp=2": compare_with_torch_adamw(rank, {"tp": 2, "dp_shard": 1}, replicate_first=False),
+        "dp_shard=2 fused": compare_with_torch_adamw(
+            rank, {"dp_shard": 2}, replicate_first=False, implementation="fused"
+        ),
         "dp_shard=2, a replicated gradient": compare_with_torch_adamw(
             rank, {"dp_shard": 2}, replicate_first=True
         ),
