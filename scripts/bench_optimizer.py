@@ -34,17 +34,12 @@ from torch.distributed.tensor import DTensor
 from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
-from titan_learner.learner.local_shard_adam import torch_step
+from titan_learner.learner.local_shard_adam import local_tensor, torch_step
 from titan_learner.learner.optimizer import build_optimizer
 from titan_learner.learner.titan import TitanLearner
 
 IMPLEMENTATIONS = ("foreach", "fused")
 BASELINE = "torch foreach"
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; a plain tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -99,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(config.run.seed + learner.data_parallel_rank)
     for p in learner.model.parameters():  # the same gradients for both, for every step
         p.grad = torch.zeros_like(p)
-        local(p.grad).copy_(torch.randn(local(p).shape, generator=generator) * 1e-2)
+        local_tensor(p.grad).copy_(torch.randn(local_tensor(p).shape, generator=generator) * 1e-2)
 
     def build(implementation: str):
         optimizer = replace(config.optimizer, implementation=implementation)

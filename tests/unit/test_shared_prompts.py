@@ -99,10 +99,12 @@ def test_stream_holds_each_shared_prompt_once_and_every_token_a_row_reads(case):
     assert slots.tolist() == list(range(count))
 
 
-def learners(**learner: object) -> tuple[LocalLearner, LocalLearner]:
-    """Two learners from one config and seed, the second sharing prompts."""
-    plain = LocalLearner(tiny_config(learner=dict(learner)))
-    shared = LocalLearner(tiny_config(learner={**learner, "share_prompts": True}))
+def learners(optimizer: dict | None = None) -> tuple[LocalLearner, LocalLearner]:
+    """Two learners from one config and seed (`optimizer`: its [optimizer] section), the second
+    sharing prompts."""
+    optimizer = optimizer or {}
+    plain = LocalLearner(tiny_config(optimizer=optimizer))
+    shared = LocalLearner(tiny_config(optimizer=optimizer, learner={"share_prompts": True}))
     return plain, shared
 
 
@@ -136,8 +138,7 @@ def test_updates_on_rollout_batches_equal_the_unshared_learner():
     not (a different split over ranks does the same: 3e-5 at lr 1e-3 on an AVX-512 machine).
     At lr 1e-5 such a move stays under the 1e-6 tolerance while a wrong update of any weight
     (a step of ~lr) does not."""
-    plain = LocalLearner(tiny_config(optimizer={"lr": 1e-5}))
-    shared = LocalLearner(tiny_config(optimizer={"lr": 1e-5}, learner={"share_prompts": True}))
+    plain, shared = learners(optimizer={"lr": 1e-5})
     generator = torch.Generator().manual_seed(3)
     for _ in range(3):
         shared.load_checkpoint(plain.checkpoint())

@@ -26,7 +26,8 @@ from torch.optim.adam import adam
 from torchtitan.components.optimizer import OptimizersContainer
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (no autograd: optimizer state), a plain tensor as is."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -58,7 +59,7 @@ def local_shards(
         if not _same_layout(param, others):
             return None
     lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
-    return tuple([_local(t) for t in tensors] for tensors in lists)
+    return tuple([local_tensor(t) for t in tensors] for tensors in lists)
 
 
 class LocalShardAdam(torch.optim.Adam):
