@@ -32,7 +32,7 @@ EXPECTED = Counter(
 )
 
 
-def owner() -> str | None:
+def owner(package: str = "titan_learner") -> str | None:
     """The function of ours that issued the current operation, or None if it was not ours:
     the innermost frame outside torch decides (TorchRL's calls belong to TorchRL). Reads inside
     torch.optim's update belong to torch whoever calls it (the learner's Adam calls torch's
@@ -45,20 +45,21 @@ def owner() -> str | None:
         path = frame.filename.replace("\\", "/")
         if "/torch/" in path or path.endswith("test_host_syncs.py"):
             continue
-        return frame.name if "/titan_learner/" in path else None
+        return frame.name if f"/{package}/" in path else None
     return None
 
 
 class DeviceReads(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, package: str = "titan_learner") -> None:
         super().__init__()
+        self.package = package
         self.reads: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         boolean_index = str(func) == "aten.index.Tensor" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
         )
-        if (str(func) in READS or boolean_index) and (name := owner()) is not None:
+        if (str(func) in READS or boolean_index) and (name := owner(self.package)) is not None:
             self.reads[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -83,3 +84,16 @@ def test_one_update_reads_the_device_only_where_it_must(monkeypatch, shared):
         metrics = learner.update(second)
     assert "grad_norm" in metrics.keys()  # a whole optimizer step was counted
     assert counter.reads == EXPECTED
+
+
+def test_torchrl_loss_reads_the_device_once():
+    """TorchRL's forward reads once, for its ESS diagnostic (a boolean index). Its entropy
+    check (`isfinite().all()`, read on the host) is not run on the chunked distribution
+    (`losses.ChunkedEntropy`), nor are its clip bounds recomputed (`CachedClipBounds`)."""
+    learner = LocalLearner(tiny_config())
+    first, second = batches(2, varied=True)
+    learner.update(first)
+    counter = DeviceReads(package="torchrl")
+    with counter:
+        learner.update(second)
+    assert counter.reads == Counter({"forward": 1})

@@ -16,6 +16,7 @@ import torch
 
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.validate import loss_class
+from titan_learner.learner.logprobs import ChunkedTokenCategorical
 
 if TYPE_CHECKING:
     from torch import nn
@@ -116,6 +117,98 @@ class TruncatedImportanceSampling:
         return loss * weight, clipped
 
 
+class MaskedLogWeight:
+    """TorchRL's `_log_weight`, the same values in 9 operators instead of 15.
+
+    TorchRL masks the current and the behaviour log-probs apart, each mask expanded, takes
+    their difference and the opposite difference (`kl_approx`), and tests finiteness in four
+    operators. Here the token mask is `|log mu| < inf` (what `isfinite` answers) and the
+    difference is masked once: on the mask both give cur - prev, off it +0.0, so the bits
+    and the gradient are TorchRL's. `kl_approx`, which TorchRL's forward only logs, is
+    0 - log_weight without gradient (the exact negation, +0.0 where the weight is 0). The
+    masked current log-prob TorchRL leaves in the batch for its KL terms and KL mask is built
+    only when one of them is on. Anything unusual (no or a differentiable behaviour log-prob,
+    shapes that differ, a composite distribution) takes TorchRL's own path and its errors.
+    """
+
+    def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
+        cur, dist, is_composite = self._get_cur_log_prob(tensordict)  # type: ignore[attr-defined]
+        prev = tensordict.get(
+            self.tensor_keys.sample_log_prob,  # type: ignore[attr-defined]
+            None,
+            as_padded_tensor=True,
+            padding_side="left",
+            padding_value=0.0,
+        )
+        if (
+            is_composite
+            or not isinstance(cur, torch.Tensor)
+            or not isinstance(prev, torch.Tensor)
+            or prev.requires_grad
+            or cur.shape != prev.shape
+            or dist.mask.shape != cur.shape
+        ):
+            return super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
+        mask = dist.mask & (prev.abs() < math.inf)
+        log_weight = torch.where(mask, cur - prev, 0.0).unsqueeze(-1)
+        kl_approx = torch.rsub(log_weight.detach(), 0.0)
+        read = self._reads_cur_log_prob()
+        tensordict.set("_cur_log_prob", torch.where(mask, cur, 0.0) if read else cur)
+        return log_weight, dist, kl_approx, mask
+
+    def _reads_cur_log_prob(self) -> bool:
+        """Whether TorchRL's forward reads the masked current log-prob (KL terms, KL mask)."""
+        return bool(
+            (self.kl_to_ref_coeff is not None and self.kl_to_ref_coeff > 0)  # type: ignore[attr-defined]
+            or self.kl_to_inference_coeff is not None  # type: ignore[attr-defined]
+            or (self.kl_mask_threshold is not None and self.kl_mask_threshold > 0)  # type: ignore[attr-defined]
+        )
+
+
+class ChunkedEntropy:
+    """The chunked distribution's entropy as it is, without TorchRL's finiteness check.
+
+    TorchRL reads `entropy.isfinite().all()` on the host at every forward and falls back to a
+    Monte-Carlo estimate, for dense masked logits whose -inf entries give 0 * -inf.
+    `ChunkedTokenCategorical` computes entropies from the finite logits of the scored
+    positions only: a non-finite one means non-finite logits, which no estimate repairs (the
+    loss is non-finite either way, and the learner drops the step). Other distributions take
+    TorchRL's own path.
+    """
+
+    def _get_entropy(self, dist: Any, adv_shape: Any) -> Any:
+        if isinstance(dist, ChunkedTokenCategorical):
+            return dist.entropy().unsqueeze(-1)
+        return super()._get_entropy(dist, adv_shape)  # type: ignore[misc]
+
+
+class CachedClipBounds:
+    """TorchRL's clip bounds (log(1 - eps_low), log(1 + eps_high)), computed once per value.
+
+    TorchRL's property runs three operators at every forward. A schedule that writes the two
+    buffers in place bumps their version, and a new tensor (`.to()`, an assigning load) has
+    another identity: either computes the bounds again.
+    """
+
+    _clip_bounds_for: tuple[Any, ...] = ()  # (eps_low, its version, eps_high, its version)
+    _clip_bounds_value: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def _clip_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        low, high = self.clip_epsilon_low, self.clip_epsilon_high  # type: ignore[attr-defined]
+        seen = self._clip_bounds_for
+        if not (
+            seen
+            and seen[0] is low  # the buffers themselves are held, so identity is never reused
+            and seen[1] == low._version
+            and seen[2] is high
+            and seen[3] == high._version
+        ):
+            self._clip_bounds_value = ((-low).log1p(), high.log1p())
+            self._clip_bounds_for = (low, low._version, high, high._version)
+        return self._clip_bounds_value
+
+
 TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy", "tis_truncated")
 
 
@@ -178,8 +271,10 @@ def token_mean_diagnostics(out: MutableMapping[str, Any], loss_module: nn.Module
 @functools.cache
 def titan_loss_class(cls: type) -> type:
     """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch`,
-    `TokenMeanDiagnostics`, `TruncatedImportanceSampling`, `TokenMeanAggregation` and
-    `TrainedTokens` (innermost: the others read its count); the same class on every call."""
+    `TokenMeanDiagnostics`, `TruncatedImportanceSampling`, `TokenMeanAggregation`,
+    `TrainedTokens` (the others read its count) and, innermost, `MaskedLogWeight`,
+    `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own helpers; the same class
+    on every call."""
     bases = (
         TokenMeanKL,
         LogProbMismatch,
@@ -187,6 +282,9 @@ def titan_loss_class(cls: type) -> type:
         TruncatedImportanceSampling,
         TokenMeanAggregation,
         TrainedTokens,
+        MaskedLogWeight,
+        ChunkedEntropy,
+        CachedClipBounds,
         cls,
     )
     mixed = type(cls.__name__, bases, {"__module__": __name__})

@@ -1,0 +1,113 @@
+"""The loss class's own `_log_weight`, `_get_entropy` and clip bounds give TorchRL's values.
+
+`MaskedLogWeight`, `ChunkedEntropy` and `CachedClipBounds` stand in for TorchRL's helpers with
+fewer operators and no host read: every output (loss terms and diagnostics) and every gradient
+must equal TorchRL's own path bit for bit, on rows of their own lengths with a response token
+whose behaviour log-prob is missing, with the KL terms on and off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torchrl.objectives.llm.grpo import GRPOLoss
+
+from tests.support.models import batches, tiny_config, with_ref_log_probs
+from titan_learner.learner import losses
+from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, check_batch
+from titan_learner.learner.local import LocalLearner
+
+HELPERS = (
+    (losses.MaskedLogWeight, "_log_weight"),
+    (losses.ChunkedEntropy, "_get_entropy"),
+    (losses.CachedClipBounds, "_clip_bounds"),
+)
+
+LOSSES = {
+    "grpo": {"name": "grpo", "entropy_coeff": 0.01},
+    "dapo": {"name": "dapo", "entropy_coeff": 0.01},
+    "cispo": {"name": "cispo", "entropy_coeff": 0.01},
+    "grpo with KL terms": {
+        "name": "grpo",
+        "entropy_coeff": 0.01,
+        "kl_to_ref_coeff": 0.1,
+        "kl_to_inference_coeff": 0.05,
+    },
+}
+
+
+def batch_with_a_missing_log_prob(with_ref: bool):
+    """Varied rows; one response token of the first row has no behaviour log-prob (NaN), so
+    the trained mask is narrower than the response mask."""
+    batch = batches(1, varied=True)[0]
+    response = batch.get(ASSISTANT_MASK_KEY)[0].nonzero()
+    assert len(response) >= 2, "the fixture's first row must have two response tokens"
+    log_probs = batch.get(LOG_PROBS_KEY).clone()
+    log_probs[0, response[-1, 0]] = math.nan
+    batch.set(LOG_PROBS_KEY, log_probs)
+    return with_ref_log_probs(batch) if with_ref else batch
+
+
+def outputs_and_grads(learner: LocalLearner, batch) -> tuple[dict, list]:
+    out = learner.loss_module(batch)
+    values = {k: out.get(k) for k in out.keys()}
+    learner.model.zero_grad(set_to_none=True)
+    sum(v for k, v in values.items() if k.startswith("loss")).backward()
+    grads = [p.grad.clone() for p in learner.model.parameters() if p.grad is not None]
+    return {k: v.detach() for k, v in values.items()}, grads
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_outputs_and_gradients_equal_torchrl_own_helpers(loss, monkeypatch):
+    learner = LocalLearner(tiny_config(loss=LOSSES[loss]))
+    needs_ref = "kl_to_ref_coeff" in LOSSES[loss]
+    batch = check_batch(batch_with_a_missing_log_prob(needs_ref), learner.vocab_size, needs_ref)
+    ours, our_grads = outputs_and_grads(learner, batch)
+    with monkeypatch.context() as patch:
+        for cls, name in HELPERS:
+            patch.delattr(cls, name)  # the class's next base: TorchRL's own
+        theirs, their_grads = outputs_and_grads(learner, batch)
+    assert set(ours) == set(theirs)
+    assert "entropy" in ours and "ESS" in ours and "kl_approx" in ours
+    assert not needs_ref or {"loss_kl_to_ref", "loss_kl_to_inference"} <= set(ours)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert len(our_grads) == len(their_grads) > 0
+    assert all(torch.equal(a, b) for a, b in zip(our_grads, their_grads, strict=True))
+
+
+def test_the_clip_bounds_follow_a_schedule_and_a_load():
+    """Cached between forwards; written in place (a schedule) or loaded, they are new."""
+    learner = LocalLearner(tiny_config(loss={"name": "grpo", "clip_epsilon": 0.2}))
+    loss = learner.loss_module
+
+    def torchrl_bounds() -> tuple[torch.Tensor, torch.Tensor]:
+        return GRPOLoss._clip_bounds.fget(loss)
+
+    first = loss._clip_bounds
+    assert loss._clip_bounds is first  # no operator on the next forward
+    assert all(torch.equal(a, b) for a, b in zip(first, torchrl_bounds(), strict=True))
+    loss.clip_epsilon_high.fill_(0.3)  # what a TorchRL schedule of the buffer does
+    assert torch.equal(loss._clip_bounds[1], torchrl_bounds()[1])
+    assert torch.equal(loss._clip_bounds[1], torch.tensor(0.3).log1p())
+    loss.load_state_dict({**loss.state_dict(), "clip_epsilon_low": torch.tensor(0.1)})
+    assert torch.equal(loss._clip_bounds[0], torch.tensor(-0.1).log1p())
+    assert all(torch.equal(a, b) for a, b in zip(loss._clip_bounds, torchrl_bounds(), strict=True))
+
+
+def test_a_distribution_of_another_kind_takes_torchrl_entropy(monkeypatch):
+    """Only the chunked distribution's entropy skips TorchRL's check (and its host read)."""
+    learner = LocalLearner(tiny_config(learner={"logprob_chunk_size": 0}))  # the dense path
+    calls = []
+    own = GRPOLoss._get_entropy
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOLoss, "_get_entropy", counted)
+    batch = check_batch(batches(1, varied=True)[0], learner.vocab_size, False)
+    learner.loss_module(batch)
+    assert calls == [1]
