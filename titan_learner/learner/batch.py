@@ -139,12 +139,17 @@ def _value_checks(values: dict) -> torch.Tensor:
     return torch.stack([*checks, trained_tokens(assistant, values[LOG_PROBS_KEY])])
 
 
-def trained_tokens(assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
-    """How many positions the loss trains: response tokens with a finite behaviour log-prob.
+def trained_mask(assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """The positions the loss trains: response tokens with a finite behaviour log-prob.
 
     |x| < inf is `isfinite(x)` (NaN compares False) in two operators where `torch.isfinite`
     takes four on a CPU."""
-    return (assistant_mask & (log_probs.abs() < math.inf)).sum()
+    return assistant_mask & (log_probs.abs() < math.inf)
+
+
+def trained_tokens(assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """How many positions the loss trains (`trained_mask`'s count)."""
+    return trained_mask(assistant_mask, log_probs).sum()
 
 
 def synthetic_batch(

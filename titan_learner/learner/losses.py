@@ -16,6 +16,7 @@ import torch
 
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.validate import loss_class
+from titan_learner.learner.batch import trained_mask
 from titan_learner.learner.logprobs import ChunkedTokenCategorical
 
 if TYPE_CHECKING:
@@ -79,8 +80,8 @@ class LogProbMismatch:
 
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
-        # TorchRL zeroes both log-probs off `mask` before their difference, so the log-weight
-        # is exactly 0 there: its absolute value is the gap, masked (a boolean index would cost
+        # The log-weight is exactly 0 off `mask` (TorchRL's `_log_weight` and `MaskedLogWeight`
+        # both zero it there): its absolute value is the gap, masked (a boolean index would cost
         # a host sync on GPUs). The sum and the maximum read it in any shape.
         with torch.no_grad():
             gap = log_weight.abs().float()
@@ -122,9 +123,9 @@ class MaskedLogWeight:
 
     TorchRL masks the current and the behaviour log-probs apart, each mask expanded, takes
     their difference and the opposite difference (`kl_approx`), and tests finiteness in four
-    operators. Here the token mask is `|log mu| < inf` (what `isfinite` answers) and the
-    difference is masked once: on the mask both give cur - prev, off it +0.0, so the bits
-    and the gradient are TorchRL's. `kl_approx`, which TorchRL's forward only logs, is
+    operators. Here the token mask is `batch.trained_mask` (`|log mu| < inf`, what `isfinite`
+    answers; the batch check counts the same mask) and the difference is masked once: on the
+    mask both give cur - prev, off it +0.0, so the bits and the gradient are TorchRL's. `kl_approx`, which TorchRL's forward only logs, is
     0 - log_weight without gradient (the exact negation, +0.0 where the weight is 0). The
     masked current log-prob TorchRL leaves in the batch for its KL terms and KL mask is built
     only when one of them is on. Anything unusual (no or a differentiable behaviour log-prob,
@@ -149,7 +150,7 @@ class MaskedLogWeight:
             or dist.mask.shape != cur.shape
         ):
             return super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
-        mask = dist.mask & (prev.abs() < math.inf)
+        mask = trained_mask(dist.mask, prev)
         log_weight = torch.where(mask, cur - prev, 0.0).unsqueeze(-1)
         kl_approx = torch.rsub(log_weight.detach(), 0.0)
         read = self._reads_cur_log_prob()
