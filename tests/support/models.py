@@ -70,3 +70,14 @@ def with_ref_log_probs(batch: TensorDict) -> TensorDict:
     assistant = batch.get(ASSISTANT_MASK_KEY)
     out.set(REF_LOG_PROBS_KEY, torch.where(assistant, batch.get(LOG_PROBS_KEY) * 0.9 - 0.05, 0.0))
     return out
+
+
+def loss_outputs_and_grads(learner, batch) -> tuple[dict, list]:
+    """The learner's loss module on a checked `batch`: every output entry (detached) and the
+    gradients of its summed loss terms (the model's parameters that got one, in order)."""
+    out = learner.loss_module(batch)
+    values = {k: out.get(k) for k in out.keys()}
+    learner.model.zero_grad(set_to_none=True)
+    sum(v for k, v in values.items() if k.startswith("loss")).backward()
+    grads = [p.grad.clone() for p in learner.model.parameters() if p.grad is not None]
+    return {k: v.detach() for k, v in values.items()}, grads

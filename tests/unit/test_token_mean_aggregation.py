@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchrl.objectives.llm.grpo import GRPOLoss
 
-from tests.support.models import batches, tiny_config
+from tests.support.models import batches, loss_outputs_and_grads, tiny_config
 from titan_learner.learner.batch import check_batch
 from titan_learner.learner.local import LocalLearner
 
@@ -20,14 +20,10 @@ def loss_terms(learner: LocalLearner, batch, torchrl_own: bool) -> tuple[dict, l
     if torchrl_own:
         loss._aggregate_loss_value = functools.partial(GRPOLoss._aggregate_loss_value, loss)
     try:
-        out = loss(check_batch(batch, learner.vocab_size, False))
+        out, grads = loss_outputs_and_grads(learner, check_batch(batch, learner.vocab_size, False))
     finally:
         loss.__dict__.pop("_aggregate_loss_value", None)
-    terms = {k: out.get(k) for k in out.keys() if k.startswith("loss")}
-    learner.model.zero_grad(set_to_none=True)
-    sum(terms.values()).backward()
-    grads = [p.grad.clone() for p in learner.model.parameters() if p.grad is not None]
-    return {k: v.detach() for k, v in terms.items()}, grads
+    return {k: v for k, v in out.items() if k.startswith("loss")}, grads
 
 
 def count_torchrl_calls(monkeypatch) -> list:

@@ -14,7 +14,12 @@ import pytest
 import torch
 from torchrl.objectives.llm.grpo import GRPOLoss
 
-from tests.support.models import batches, tiny_config, with_ref_log_probs
+from tests.support.models import (
+    batches,
+    loss_outputs_and_grads,
+    tiny_config,
+    with_ref_log_probs,
+)
 from titan_learner.learner import losses
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, check_batch
 from titan_learner.learner.local import LocalLearner
@@ -50,25 +55,16 @@ def batch_with_a_missing_log_prob(with_ref: bool):
     return with_ref_log_probs(batch) if with_ref else batch
 
 
-def outputs_and_grads(learner: LocalLearner, batch) -> tuple[dict, list]:
-    out = learner.loss_module(batch)
-    values = {k: out.get(k) for k in out.keys()}
-    learner.model.zero_grad(set_to_none=True)
-    sum(v for k, v in values.items() if k.startswith("loss")).backward()
-    grads = [p.grad.clone() for p in learner.model.parameters() if p.grad is not None]
-    return {k: v.detach() for k, v in values.items()}, grads
-
-
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_outputs_and_gradients_equal_torchrl_own_helpers(loss, monkeypatch):
     learner = LocalLearner(tiny_config(loss=LOSSES[loss]))
     needs_ref = "kl_to_ref_coeff" in LOSSES[loss]
     batch = check_batch(batch_with_a_missing_log_prob(needs_ref), learner.vocab_size, needs_ref)
-    ours, our_grads = outputs_and_grads(learner, batch)
+    ours, our_grads = loss_outputs_and_grads(learner, batch)
     with monkeypatch.context() as patch:
         for cls, name in HELPERS:
             patch.delattr(cls, name)  # the class's next base: TorchRL's own
-        theirs, their_grads = outputs_and_grads(learner, batch)
+        theirs, their_grads = loss_outputs_and_grads(learner, batch)
     assert set(ours) == set(theirs)
     assert "entropy" in ours and "ESS" in ours and "kl_approx" in ours
     assert not needs_ref or {"loss_kl_to_ref", "loss_kl_to_inference"} <= set(ours)
