@@ -92,15 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     if learner.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # as torchrun does (see scripts/bench_step.py)
     generator = torch.Generator().manual_seed(config.run.seed + learner.data_parallel_rank)
-    for p in learner.model.parameters():  # the same gradients for both, for every step
+    for p in learner.model.parameters():  # the same gradients for all three, every step
         p.grad = torch.zeros_like(p)
         local_tensor(p.grad).copy_(torch.randn(local_tensor(p).shape, generator=generator) * 1e-2)
 
     def build(implementation: str):
         optimizer = replace(config.optimizer, implementation=implementation)
-        return build_optimizer(learner.model, replace(config, optimizer=optimizer), device_type)
+        config_ = replace(config, optimizer=optimizer)
+        return build_optimizer(learner.model, config_, learner.device.type)
 
-    device_type = learner.device.type
     steps = {BASELINE: torch_step(build("foreach"))}
     steps.update((name, build(name).step) for name in IMPLEMENTATIONS)
     gaps = one_step_gaps(learner, steps)
