@@ -61,15 +61,22 @@ def test_outputs_and_gradients_equal_torchrl_own_helpers(loss, monkeypatch):
     needs_ref = "kl_to_ref_coeff" in LOSSES[loss]
     batch = check_batch(batch_with_a_missing_log_prob(needs_ref), learner.vocab_size, needs_ref)
     ours, our_grads = loss_outputs_and_grads(learner, batch)
+    keys = set(batch.keys(include_nested=True))
     with monkeypatch.context() as patch:
         for cls, name in HELPERS:
             patch.delattr(cls, name)  # the class's next base: TorchRL's own
+        loss_class = type(learner.loss_module)
+        patch.setattr(loss_class, "forward", loss_class._torchrl_forward)
         theirs, their_grads = loss_outputs_and_grads(learner, batch)
+    assert set(batch.keys(include_nested=True)) == keys  # the batch is left as it was
     assert set(ours) == set(theirs)
     assert "entropy" in ours and "ESS" in ours and "kl_approx" in ours
     assert not needs_ref or {"loss_kl_to_ref", "loss_kl_to_inference"} <= set(ours)
     for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
+        if key == "ESS":  # summed without TorchRL's boolean index (losses.effective_sample_size)
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=0)
+        else:
+            assert torch.equal(ours[key], theirs[key]), key
     assert len(our_grads) == len(their_grads) > 0
     assert all(torch.equal(a, b) for a, b in zip(our_grads, their_grads, strict=True))
 
@@ -107,3 +114,26 @@ def test_a_distribution_of_another_kind_takes_torchrl_entropy(monkeypatch):
     batch = check_batch(batches(1, varied=True)[0], learner.vocab_size, False)
     learner.loss_module(batch)
     assert calls == [1]
+
+
+@pytest.mark.parametrize(
+    ("loss", "lean"), [("grpo", True), ("cispo", True), ("grpo with KL terms", False)]
+)
+def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
+    loss, lean, monkeypatch
+):
+    """Without KL terms the learner's loss skips TorchRL's forward plumbing; with them it
+    takes TorchRL's forward, as any other actor would."""
+    learner = LocalLearner(tiny_config(loss=LOSSES[loss]))
+    needs_ref = "kl_to_ref_coeff" in LOSSES[loss]
+    batch = check_batch(batch_with_a_missing_log_prob(needs_ref), learner.vocab_size, needs_ref)
+    loss_class, calls = type(learner.loss_module), []
+    own = loss_class._torchrl_forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(loss_class, "_torchrl_forward", counted)
+    learner.loss_module(batch)
+    assert calls == ([] if lean else [1])
