@@ -137,3 +137,20 @@ def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
     monkeypatch.setattr(loss_class, "_torchrl_forward", counted)
     learner.loss_module(batch)
     assert calls == ([] if lean else [1])
+
+
+def test_the_effective_sample_size_is_torchrl_without_its_boolean_index():
+    """TorchRL's formula on the selected weights, also where exp() of them would overflow;
+    NaN with no trained token, as TorchRL's."""
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.rand(6, 9, generator=generator) > 0.4
+    for scale in (0.1, 60.0):  # exp(60 * 3) overflows float32: only relative weights work
+        log_weight = torch.randn(6, 9, generator=generator) * scale
+        chosen = log_weight[mask]
+        torchrl = (2 * chosen.logsumexp(0) - (2 * chosen).logsumexp(0)).exp() / mask.sum()
+        ours = losses.effective_sample_size(log_weight, mask)
+        torch.testing.assert_close(ours, torchrl, rtol=1e-5, atol=0)
+    assert losses.effective_sample_size(log_weight, torch.zeros_like(mask)).isnan()
+    assert losses.effective_sample_size(
+        torch.zeros(0, 9), torch.zeros(0, 9, dtype=torch.bool)
+    ).isnan()

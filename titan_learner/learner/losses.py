@@ -284,12 +284,15 @@ def effective_sample_size(log_weight: torch.Tensor, mask: torch.Tensor) -> torch
     """TorchRL's `ESS` diagnostic, (sum w)^2 / sum w^2 / trained tokens over the tokens of
     `mask`, without its boolean index (a host read: on a GPU the launch queue runs dry).
 
-    The tokens off the mask enter the log-sum-exps as -inf, i.e. as weights of 0, so the value
-    is TorchRL's up to the order of the sums' additions (a few float32 ulps).
+    The weights are taken relative to the largest (as a log-sum-exp would), 0 off the mask:
+    TorchRL's value up to rounding (a few float32 ulps), in half the time of its two
+    log-sum-exps on a CPU. No trained token gives NaN, as TorchRL's does.
     """
+    if not mask.numel():
+        return log_weight.new_full((), math.nan)
     selected = torch.where(mask, log_weight, -math.inf)
-    dims = tuple(range(selected.dim()))
-    return (2 * selected.logsumexp(dims) - (2 * selected).logsumexp(dims)).exp() / mask.sum()
+    weights = (selected - selected.amax()).exp()
+    return weights.sum().square() / weights.square().sum() / mask.sum()
 
 
 TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy", "tis_truncated")
