@@ -76,11 +76,13 @@ class Learner:
 
     The stepper drives each `update`: it calls back `compute_loss` and reads `loss_module`,
     `optimizer`, `clip_grad_norm` and `clip_norm` from this object (its "trainer"), and the
-    learner's own stepper `loss_agreed_finite` (compute_loss's agreement over the world).
+    learner's own stepper `loss_agreed_finite` (compute_loss's agreement over the world) and
+    `summed_loss` (the sum of the returned loss terms, which compute_loss has taken already).
     """
 
     clip_grad_norm = True
     loss_agreed_finite: bool | None = None
+    summed_loss: torch.Tensor | None = None
     parallel_dims: ParallelDims | None = None  # TorchTitan's mesh; None for LocalLearner
 
     def __init__(
@@ -171,6 +173,7 @@ class Learner:
         self.loss_module.logprob_mismatch = None  # set by this forward (losses.LogProbMismatch)
         self.loss_module.positions_per_token = None  # and this (losses.TokenMeanDiagnostics)
         self.loss_module.tis_truncated = None  # and this (losses.TruncatedImportanceSampling)
+        self.summed_loss = None
         out = dict(module(batch).items())  # edited as a dict: a TensorDict once, at the end
         if self.loss_module.tis_truncated is not None:
             out["tis_truncated"] = self.loss_module.tis_truncated
@@ -193,6 +196,8 @@ class Learner:
         for key in loss_keys:  # TorchRL's prompt_mean reduces to shape [1]: one value all the same
             if out[key].dim():
                 out[key] = out[key].reshape(())
+        if total.dim():
+            total = total.reshape(())
         # Across processes the update's metrics ride on the agreement's collective.
         riding = self._in_update and self._several_processes()
         terms, payload = MetricTerms(), None
@@ -222,6 +227,9 @@ class Learner:
                 scale = scales[term_kind(self.loss_module, key)]
                 if scale != 1.0:  # one process, one micro-batch: 1.0, and x * 1.0 is x
                     out[key] = out[key] * scale
+                    total = None
+        if finite:  # the terms' sum as the stepper would take it (None: scaled, to sum again)
+            self.summed_loss = total
         return TensorDict(out, batch_size=[])
 
     # -- the contract -------------------------------------------------------------------------

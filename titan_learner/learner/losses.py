@@ -240,8 +240,6 @@ class LeanForward:
             log_weight, dist, kl_approx, mask = self._log_weight(tensordict, adv_shape=adv_shape)  # type: ignore[attr-defined]
         finally:
             tensordict.pop("_cur_log_prob", None)
-        with torch.no_grad():
-            ess = effective_sample_size(log_weight.squeeze(-1), mask)
         if advantage.ndim != log_weight.ndim:
             raise ValueError(
                 f"advantage and log_weight must have the same number of dimensions, got "
@@ -251,11 +249,14 @@ class LeanForward:
         out = {
             "loss_objective": self._aggregate_loss_value(objective, mask, tensordict=tensordict),  # type: ignore[attr-defined]
             "clip_fraction": clip_fraction,
-            "kl_approx": kl_approx.detach().mean(),
         }
+        with torch.no_grad():  # the diagnostics: TorchRL's detached values, without a detach each
+            out["kl_approx"] = kl_approx.mean()
+            ess = effective_sample_size(log_weight.squeeze(-1), mask)
         if self.entropy_bonus:  # type: ignore[attr-defined]
             entropy = self._get_entropy(dist, adv_shape=adv_shape)  # type: ignore[attr-defined]
-            out["entropy"] = entropy.detach().mean()
+            with torch.no_grad():
+                out["entropy"] = entropy.mean()
             out["loss_entropy"] = self._aggregate_loss_value(  # type: ignore[attr-defined]
                 -self.entropy_coeff * entropy,  # type: ignore[attr-defined]
                 mask,

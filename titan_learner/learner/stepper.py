@@ -78,7 +78,10 @@ class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
                     "The loss module returned no 'loss_*' keys. "
                     "Make sure your loss module prefixes scalar outputs with 'loss'."
                 )
-            loss = functools.reduce(operator.add, loss_items)
+            # The learner's compute_loss has summed the terms already: no second sum.
+            loss = getattr(trainer, "summed_loss", None)
+            if loss is None:
+                loss = functools.reduce(operator.add, loss_items)
             if self.gradient_accumulation_steps != 1:
                 loss = loss / self.gradient_accumulation_steps
         metrics = self._reduce_metrics(losses_td)
