@@ -17,6 +17,7 @@ Ranks of one tensor-parallel group pass the same batch; data-parallel ranks pass
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -143,8 +144,49 @@ def trained_mask(assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch
     """The positions the loss trains: response tokens with a finite behaviour log-prob.
 
     |x| < inf is `isfinite(x)` (NaN compares False) in two operators where `torch.isfinite`
-    takes four on a CPU."""
-    return assistant_mask & (log_probs.abs() < math.inf)
+    takes four on a CPU. The batch check and the loss's log-weight ask for the mask of the
+    same two tensors in one update (the loss's distribution mask is the batch's assistant
+    mask itself): the second call gets the first's (`_LastTrainedMask`)."""
+    mask = _LAST_TRAINED_MASK.get(assistant_mask, log_probs)
+    if mask is None:
+        mask = assistant_mask & (log_probs.abs() < math.inf)
+        _LAST_TRAINED_MASK.keep(assistant_mask, log_probs, mask)
+    return mask
+
+
+class _LastTrainedMask:
+    """The last trained mask, for the same two tensors unchanged since (three operators, ~60 us
+    inside a step on a CPU). Weak references keep no batch alive; a tensor written in place
+    since (its version moved) is masked again, as is a mask written in place; inference
+    tensors, which count no versions, are never kept."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None
+
+    def get(self, assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor | None:
+        last = self._last
+        if last is None:
+            return None
+        assistant_ref, log_probs_ref, mask, versions = last
+        if assistant_ref() is not assistant_mask or log_probs_ref() is not log_probs:
+            return None
+        return mask if _versions(assistant_mask, log_probs, mask) == versions else None
+
+    def keep(
+        self, assistant_mask: torch.Tensor, log_probs: torch.Tensor, mask: torch.Tensor
+    ) -> None:
+        if any(t.is_inference() for t in (assistant_mask, log_probs, mask)):
+            self._last = None
+            return
+        versions = _versions(assistant_mask, log_probs, mask)
+        self._last = (weakref.ref(assistant_mask), weakref.ref(log_probs), mask, versions)
+
+
+def _versions(*tensors: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors)
+
+
+_LAST_TRAINED_MASK = _LastTrainedMask()
 
 
 def trained_tokens(assistant_mask: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:

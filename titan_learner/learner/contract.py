@@ -35,7 +35,7 @@ from titan_learner.learner.guards import (
     loss_own_state,
     reject_unsynchronized_loss_parameters,
 )
-from titan_learner.learner.losses import build_loss, token_mean_diagnostics
+from titan_learner.learner.losses import build_loss, record, token_mean_diagnostics
 from titan_learner.learner.microbatch import token_budget_micro_batches
 from titan_learner.learner.normalization import (
     MetricTerms,
@@ -170,9 +170,9 @@ class Learner:
         so the stepper's drop-the-window decision must be the same everywhere.
         """
         module = self.loss_module if method is None else getattr(self.loss_module, method)
-        self.loss_module.logprob_mismatch = None  # set by this forward (losses.LogProbMismatch)
-        self.loss_module.positions_per_token = None  # and this (losses.TokenMeanDiagnostics)
-        self.loss_module.tis_truncated = None  # and this (losses.TruncatedImportanceSampling)
+        record(  # what this forward sets (losses.LogProbMismatch, TokenMeanDiagnostics, TIS)
+            self.loss_module, logprob_mismatch=None, positions_per_token=None, tis_truncated=None
+        )
         self.summed_loss = None
         out = dict(module(batch).items())  # edited as a dict: a TensorDict once, at the end
         if self.loss_module.tis_truncated is not None:
