@@ -149,10 +149,13 @@ def chunked_token_stats(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    # One chunk holds what the forward would keep anyway: recomputing it would only cost time.
-    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] > chunk_size
+    if hidden.shape[0] <= chunk_size:
+        # Most steps of a small batch: one chunk, which holds what the forward would keep
+        # anyway (recomputing it would only cost time); no slice, no copy, no extra node.
+        return _chunk_stats(hidden, targets, head, with_entropy)
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
     tokens, entropies = [], []
-    for start in range(0, max(hidden.shape[0], 1), chunk_size):
+    for start in range(0, hidden.shape[0], chunk_size):
         stop = start + chunk_size
         args = (hidden[start:stop], targets[start:stop], head, with_entropy)
         if recompute:
@@ -163,8 +166,6 @@ def chunked_token_stats(
             token, entropy = _chunk_stats(*args)
         tokens.append(token)
         entropies.append(entropy)
-    if len(tokens) == 1:  # most steps of a small batch: no copy, no extra backward node
-        return tokens[0], entropies[0]
     token = torch.cat(tokens)
     return token, torch.cat(entropies) if with_entropy else None
 
