@@ -11,6 +11,7 @@ the local shards with one all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -67,8 +68,13 @@ class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
         self._set_gradient_sync(closes_window)
         if self._use_scaler or self.clip_norm is None:
             return super().step(trainer, sub_batch)
-        autocast = torch.amp.autocast(
-            self.device_type, enabled=self.mixed_precision, dtype=self.autocast_dtype
+        # Outside any autocast, a disabled region would only save and restore that state.
+        autocast = (
+            torch.amp.autocast(
+                self.device_type, enabled=self.mixed_precision, dtype=self.autocast_dtype
+            )
+            if self.mixed_precision or torch.is_autocast_enabled(self.device_type)
+            else contextlib.nullcontext()
         )
         with autocast:
             losses_td = trainer.compute_loss(sub_batch)
