@@ -135,8 +135,9 @@ class MaskedLogWeight:
     their difference and the opposite difference (`kl_approx`), and tests finiteness in four
     operators. Here the token mask is `batch.trained_mask` (`|log mu| < inf`, what `isfinite`
     answers; the batch check counts the same mask) and the difference is masked once: on the
-    mask both give cur - prev, off it +0.0, so the bits and the gradient are TorchRL's. `kl_approx`, which TorchRL's forward only logs, is
-    0 - log_weight without gradient (the exact negation, +0.0 where the weight is 0). The
+    mask both give cur - prev, off it +0.0, so the bits and the gradient are TorchRL's.
+    `kl_approx`, which TorchRL's forward only logs, is 0 - log_weight without gradient (the
+    exact negation, +0.0 where the weight is 0). The
     masked current log-prob TorchRL leaves in the batch for its KL terms and KL mask is built
     only when one of them is on. Anything unusual (no or a differentiable behaviour log-prob,
     shapes that differ, a composite distribution) takes TorchRL's own path and its errors.
@@ -277,9 +278,7 @@ class LeanForward:
         """The batch's advantage where this forward applies, else None."""
         if (
             not isinstance(self.actor_network, TitanPolicy)  # type: ignore[attr-defined]
-            or (self.kl_mask_threshold is not None and self.kl_mask_threshold > 0)  # type: ignore[attr-defined]
-            or (self.kl_to_ref_coeff is not None and self.kl_to_ref_coeff > 0)  # type: ignore[attr-defined]
-            or self.kl_to_inference_coeff is not None  # type: ignore[attr-defined]
+            or self._reads_cur_log_prob()  # type: ignore[attr-defined]  (KL terms, a KL mask)
             or tensordict.get(self.tensor_keys.action, None) is None  # type: ignore[attr-defined]
         ):
             return None
