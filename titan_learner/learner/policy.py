@@ -42,13 +42,18 @@ def left_justify_order(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def lm_head_skipped(model: nn.Module) -> Iterator[None]:
-    """TorchTitan's decoder returns its final-norm hidden states instead of logits, meanwhile."""
+    """TorchTitan's decoder returns its final-norm hidden states instead of logits, meanwhile.
+
+    The flag is a plain attribute (never a parameter, buffer or submodule): it is written
+    straight into the instance, without `nn.Module.__setattr__`'s lookups.
+    """
+    state = vars(model)
     previous = model._skip_lm_head
-    model._skip_lm_head = True
+    state["_skip_lm_head"] = True
     try:
         yield
     finally:
-        model._skip_lm_head = previous
+        state["_skip_lm_head"] = previous
 
 
 class TitanPolicy(LLMWrapperBase):
@@ -81,6 +86,7 @@ class TitanPolicy(LLMWrapperBase):
                 )
             enable_prompt_sharing(model)  # raises unless the model runs TorchTitan's SDPA
         self.model = model
+        self._flex_attention = uses_flex_attention(model)  # fixed when the model is built
         self.logprob_chunk_size = logprob_chunk_size
         self.share_prompts = share_prompts
         self.compute_entropy = compute_entropy
@@ -109,7 +115,7 @@ class TitanPolicy(LLMWrapperBase):
         order = order if width is None else order[:, :width]
         justified = torch.where(attention_mask, tokens, 0).gather(1, order)
         masks = None
-        if uses_flex_attention(self.model):
+        if self._flex_attention:
             positions = torch.arange(order.shape[1], device=tokens.device).expand_as(order)
             masks = self.model.get_attention_masks(positions)
         return self.model(justified, attention_masks=masks)
