@@ -123,7 +123,8 @@ def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
     loss, lean, monkeypatch
 ):
     """Without KL terms the learner's loss skips TorchRL's forward plumbing; with them it
-    takes TorchRL's forward, as any other actor would."""
+    takes TorchRL's forward, as any other actor would. Either way `as_dict=True` gives the
+    output's entries, in order, as a dict."""
     learner = LocalLearner(tiny_config(loss=LOSSES[loss]))
     needs_ref = "kl_to_ref_coeff" in LOSSES[loss]
     batch = check_batch(batch_with_a_missing_log_prob(needs_ref), learner.vocab_size, needs_ref)
@@ -135,13 +136,18 @@ def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
         return own(self, *args, **kwargs)
 
     monkeypatch.setattr(loss_class, "_torchrl_forward", counted)
-    learner.loss_module(batch)
-    assert calls == ([] if lean else [1])
+    with torch.no_grad():
+        out = learner.loss_module(batch)
+        entries = learner.loss_module(batch, as_dict=True)  # what the learner's update asks
+    assert calls == ([] if lean else [1, 1])
+    assert isinstance(out, loss_class.output_type) and type(entries) is dict
+    assert list(entries) == list(out.keys())
+    assert all(torch.equal(entries[key], out.get(key)) for key in entries)
 
 
 def test_the_effective_sample_size_is_torchrl_without_its_boolean_index():
     """TorchRL's formula on the selected weights, also where exp() of them would overflow;
-    NaN with no trained token, as TorchRL's."""
+    NaN with no trained token, as TorchRL's, whatever count the caller passes."""
     generator = torch.Generator().manual_seed(0)
     mask = torch.rand(6, 9, generator=generator) > 0.4
     for scale in (0.1, 60.0):  # exp(60 * 3) overflows float32: only relative weights work
@@ -150,7 +156,10 @@ def test_the_effective_sample_size_is_torchrl_without_its_boolean_index():
         torchrl = (2 * chosen.logsumexp(0) - (2 * chosen).logsumexp(0)).exp() / mask.sum()
         ours = losses.effective_sample_size(log_weight, mask)
         torch.testing.assert_close(ours, torchrl, rtol=1e-5, atol=0)
+        assert torch.equal(losses.effective_sample_size(log_weight, mask, mask.sum()), ours)
     assert losses.effective_sample_size(log_weight, torch.zeros_like(mask)).isnan()
+    one = torch.tensor(1)  # the loss's trained count is at least 1: still NaN
+    assert losses.effective_sample_size(log_weight, torch.zeros_like(mask), one).isnan()
     assert losses.effective_sample_size(
         torch.zeros(0, 9), torch.zeros(0, 9, dtype=torch.bool)
     ).isnan()

@@ -35,7 +35,7 @@ from titan_learner.learner.guards import (
     loss_own_state,
     reject_unsynchronized_loss_parameters,
 )
-from titan_learner.learner.losses import build_loss, record, token_mean_diagnostics
+from titan_learner.learner.losses import LeanForward, build_loss, record, token_mean_diagnostics
 from titan_learner.learner.microbatch import token_budget_micro_batches
 from titan_learner.learner.normalization import (
     MetricTerms,
@@ -174,7 +174,12 @@ class Learner:
             self.loss_module, logprob_mismatch=None, positions_per_token=None, tis_truncated=None
         )
         self.summed_loss = None
-        out = dict(module(batch).items())  # edited as a dict: a TensorDict once, at the end
+        # Edited as a dict, a TensorDict built once at the end: the learner's own loss classes
+        # hand their entries over as one, without TorchRL's output class.
+        if method is None and isinstance(module, LeanForward):
+            out = module(batch, as_dict=True)
+        else:
+            out = dict(module(batch).items())
         if self.loss_module.tis_truncated is not None:
             out["tis_truncated"] = self.loss_module.tis_truncated
         token_mean_diagnostics(out, self.loss_module)

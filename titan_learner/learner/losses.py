@@ -240,10 +240,23 @@ class LeanForward:
 
     _torchrl_forward: Any = None  # the loss class's own forward (titan_loss_class sets it)
 
-    def forward(self, tensordict: Any) -> Any:
+    def forward(self, tensordict: Any, *, as_dict: bool = False) -> Any:
+        """TorchRL's output; `as_dict=True`: its entries as a plain dict instead (what the
+        learner edits before it builds its own TensorDict once)."""
+        out = self._lean_terms(tensordict)
+        if out is None:
+            out = self._torchrl_forward(tensordict)
+            return dict(out.items()) if as_dict else out
+        if as_dict:
+            return out
+        return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))  # type: ignore[attr-defined]
+
+    def _lean_terms(self, tensordict: Any) -> dict[str, torch.Tensor] | None:
+        """The output entries, computed without TorchRL's plumbing; None where it does not
+        apply."""
         advantage = self._lean_advantage(tensordict)
         if advantage is None:
-            return self._torchrl_forward(tensordict)
+            return None
         adv_shape = advantage.shape[:-1]
         try:
             log_weight, dist, kl_approx, mask = self._log_weight(tensordict, adv_shape=adv_shape)  # type: ignore[attr-defined]
@@ -261,7 +274,7 @@ class LeanForward:
         }
         with torch.no_grad():  # the diagnostics: TorchRL's detached values, without a detach each
             out["kl_approx"] = kl_approx.mean()
-            ess = effective_sample_size(log_weight.squeeze(-1), mask)
+            ess = effective_sample_size(log_weight.squeeze(-1), mask, self.trained_count)  # type: ignore[attr-defined]
         if self.entropy_bonus:  # type: ignore[attr-defined]
             entropy = self._get_entropy(dist, adv_shape=adv_shape)  # type: ignore[attr-defined]
             with torch.no_grad():
@@ -272,7 +285,7 @@ class LeanForward:
                 tensordict=tensordict,
             )
         out["ESS"] = ess
-        return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))  # type: ignore[attr-defined]
+        return out
 
     def _lean_advantage(self, tensordict: Any) -> torch.Tensor | None:
         """The batch's advantage where this forward applies, else None."""
@@ -288,19 +301,23 @@ class LeanForward:
         return advantage
 
 
-def effective_sample_size(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def effective_sample_size(
+    log_weight: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None = None
+) -> torch.Tensor:
     """TorchRL's `ESS` diagnostic, (sum w)^2 / sum w^2 / trained tokens over the tokens of
     `mask`, without its boolean index (a host read: on a GPU the launch queue runs dry).
 
     The weights are taken relative to the largest (as a log-sum-exp would), 0 off the mask:
     TorchRL's value up to rounding (a few float32 ulps), in half the time of its two
-    log-sum-exps on a CPU. No trained token gives NaN, as TorchRL's does.
+    log-sum-exps on a CPU. No trained token gives NaN, as TorchRL's does (the weights are then
+    NaN, whatever the count). `count`: the mask's count where the caller has it (at least 1).
     """
     if not mask.numel():
         return log_weight.new_full((), math.nan)
     selected = torch.where(mask, log_weight, -math.inf)
     weights = (selected - selected.amax()).exp()
-    return weights.sum().square() / weights.square().sum() / mask.sum()
+    count = mask.sum() if count is None else count
+    return weights.sum().square() / weights.square().sum() / count
 
 
 TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy", "tis_truncated")
