@@ -33,6 +33,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, trained_tokens
+from titan_learner.learner.losses import TokenMeanKL
 
 TOKENS, ROWS, CALLS = "tokens", "rows", "calls"
 KINDS = (TOKENS, ROWS, CALLS)
@@ -67,8 +68,6 @@ def term_kind(loss_module: nn.Module, key: str) -> str:
     Loss terms follow the loss's `aggregation`; the KL terms are token means when the loss
     takes them over response tokens (`TokenMeanKL`); diagnostics are reported token-weighted.
     """
-    from titan_learner.learner.losses import TokenMeanKL
-
     if not key.startswith("loss"):
         return TOKENS
     if key in KL_TERMS:
