@@ -226,20 +226,32 @@ def log_softmax_stats(logits: torch.Tensor, targets: torch.Tensor, with_entropy:
 
 
 @pytest.mark.parametrize("with_entropy", [True, False])
-def test_chunked_token_stats_against_log_softmax(with_entropy):
+@pytest.mark.parametrize("targets_shape", [(11, 2), (11,)], ids=["two a position", "one"])
+def test_chunked_token_stats_against_log_softmax(with_entropy, targets_shape):
     """Values and gradients (to the hidden states and the lm_head) equal torch's composition,
-    for two targets a position (one repeated) and weighted outputs, chunks of 4 of 11."""
+    for two targets a position (one repeated) or one given as `[N]`, and weighted outputs,
+    chunks of 4 of 11; ignored targets (one in two chunks) give 0 and no gradient, as a
+    `where` after the composition."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(11, 6, generator=generator, requires_grad=True)
     head = torch.nn.Linear(6, 9, bias=False)
-    targets = torch.randint(0, 9, (11, 2), generator=generator)
-    targets[3, 1] = targets[3, 0]
-    token_weight = torch.randn(11, 2, generator=generator)
+    targets = torch.randint(0, 9, targets_shape, generator=generator)
+    ignored = torch.zeros(targets_shape, dtype=torch.bool)
+    ignored[2], ignored[9] = True, True
+    if len(targets_shape) == 2:
+        targets[3, 1] = targets[3, 0]
+    token_weight = torch.randn(targets_shape, generator=generator)
     entropy_weight = torch.randn(11, generator=generator)
+
+    def composed():
+        index = targets if targets.dim() == 2 else targets.unsqueeze(-1)
+        token, entropy = log_softmax_stats(head(hidden), index, with_entropy)
+        return torch.where(ignored, 0.0, token.reshape(targets_shape)), entropy
+
     results = []
     for stats in (
-        lambda: chunked_token_stats(hidden, targets, head, 4, with_entropy),
-        lambda: log_softmax_stats(head(hidden), targets, with_entropy),
+        lambda: chunked_token_stats(hidden, targets, head, 4, with_entropy, ignored),
+        composed,
     ):
         hidden.grad = head.weight.grad = None
         token, entropy = stats()
@@ -250,8 +262,9 @@ def test_chunked_token_stats_against_log_softmax(with_entropy):
         results.append((token, entropy, hidden.grad, head.weight.grad))
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want)
+    assert (results[0][0][2] == 0).all() and (results[0][0][9] == 0).all()
     empty, _ = chunked_token_stats(hidden[:0], targets[:0], head, 4, with_entropy=False)
-    assert empty.shape == (0, 2) and empty.requires_grad
+    assert empty.shape == (0, *targets_shape[1:]) and empty.requires_grad
 
 
 @pytest.mark.parametrize("with_entropy", [True, False])
@@ -272,15 +285,18 @@ def test_fused_token_stats_gradient_is_exact(with_entropy):
 
 def test_the_scored_tokens_log_probs_are_zero_at_ignore_index():
     """`log_prob` of the very tensor the distribution scored (what TorchRL's losses pass, read
-    without a comparison) answers like any equal tensor: 0 off the mask and at ignore_index."""
+    without a comparison) answers like any equal tensor: 0 off the mask and at ignore_index,
+    also where the position has no state before it."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 9, (2, 5), generator=generator)
     tokens[1, 3] = -100
     mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
     positions = mask.reshape(-1).nonzero().squeeze(1)
+    unscored = torch.zeros(len(positions), dtype=torch.bool)
+    unscored[5] = True  # the ignored token's position: ignore_index wins, as in the dense path
     scorer = TokenScorer(
         hidden=torch.randn(len(positions), 6, generator=generator),
-        unscored=torch.zeros(len(positions), dtype=torch.bool),
+        unscored=unscored,
         positions=positions,
         head=torch.nn.Linear(6, 9, bias=False),
         vocab_size=9,

@@ -89,33 +89,51 @@ def _full_logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class _TokenStats(torch.autograd.Function):
-    """Log-probs of `targets` `[n, S]` and the entropy `[n]` from one chunk's logits `[n, V]`.
+    """Log-probs of `targets` `[n]` or `[n, S]` (token ids, one or S a position) and the entropy
+    `[n]` from one chunk's logits `[n, V]`.
 
     Written as `log_softmax`, `gather`, `exp`, a product and a sum, autograd keeps two `[n, V]`
     tensors for backward (the log-probs and their exponent) and makes one more per operator in
     backward. Here backward keeps the log-probs alone and builds the logits' gradient in two
     `[n, V]` buffers, from d log p(y) / dz = onehot(y) - p and dH / dz = -p * (log p + H):
     with a large vocabulary that is most of the lm_head's memory and traffic.
+
+    `ignored` (bool, shaped like `targets`): log-probs that are 0 and pass no gradient (a
+    target at `ignore_index`), set here rather than by a `where` after it, and a `[n]` target
+    gives a `[n]` log-prob without a squeeze after it: each would be one more autograd node.
     """
 
     @staticmethod
     def forward(
-        ctx, logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        with_entropy: bool,
+        ignored: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         log_probs = logits.log_softmax(-1)
-        token = log_probs.gather(-1, targets)
+        one = targets.dim() < logits.dim()  # one target a position, given as [n]
+        token = log_probs.gather(-1, targets.unsqueeze(-1) if one else targets)
+        if one:
+            token = token.squeeze(-1)
+        if ignored is not None:
+            token.masked_fill_(ignored, 0.0)
         entropy = None
         if with_entropy:
             entropy = log_probs.exp().mul_(log_probs).sum(-1).neg_()
-        ctx.save_for_backward(log_probs, targets, entropy)
+        ctx.save_for_backward(log_probs, targets, entropy, ignored)
         return token, entropy
 
     @staticmethod
     @once_differentiable
     def backward(
         ctx, token_grad: torch.Tensor, entropy_grad: torch.Tensor | None
-    ) -> tuple[torch.Tensor, None, None]:
-        log_probs, targets, entropy = ctx.saved_tensors
+    ) -> tuple[torch.Tensor, None, None, None]:
+        log_probs, targets, entropy, ignored = ctx.saved_tensors
+        if ignored is not None:
+            token_grad = token_grad.masked_fill(ignored, 0.0)
+        if targets.dim() < log_probs.dim():
+            targets, token_grad = targets.unsqueeze(-1), token_grad.unsqueeze(-1)
         probs = log_probs.exp()
         # each target's onehot(y) - p, summed (one target per position: nothing to sum)
         weight = token_grad if token_grad.shape[-1] == 1 else token_grad.sum(-1, keepdim=True)
@@ -124,14 +142,19 @@ class _TokenStats(torch.autograd.Function):
         else:
             grad = log_probs + entropy.unsqueeze(-1)
             grad.mul_(entropy_grad.unsqueeze(-1)).add_(weight).mul_(probs).neg_()
-        return grad.scatter_add_(-1, targets, token_grad), None, None
+        return grad.scatter_add_(-1, targets, token_grad), None, None, None
 
 
 def _chunk_stats(
-    hidden: torch.Tensor, targets: torch.Tensor, head: Head, with_entropy: bool
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Head,
+    with_entropy: bool,
+    ignored: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of `targets` `[n, S]` and, optionally, the entropy `[n]` of one chunk."""
-    return _TokenStats.apply(_full_logits(head, hidden), targets, with_entropy)
+    """Log-probs of `targets` `[n]` or `[n, S]` and, optionally, the entropy `[n]` of one
+    chunk."""
+    return _TokenStats.apply(_full_logits(head, hidden), targets, with_entropy, ignored)
 
 
 def chunked_token_stats(
@@ -140,8 +163,10 @@ def chunked_token_stats(
     head: Head,
     chunk_size: int,
     with_entropy: bool,
+    ignored: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 log-probs `[N, S]` of `targets` `[N, S]` and entropies `[N]` from `hidden` `[N, D]`.
+    """Float32 log-probs `[N]` or `[N, S]` of `targets` (shaped so) and entropies `[N]` from
+    `hidden` `[N, D]`; 0 where `ignored` (bool, shaped like `targets`), without gradient.
 
     Each chunk is checkpointed (non-reentrant), so autograd saves only its inputs and the
     outputs: backward recomputes that chunk's logits alone. With N = 0 one empty chunk still
@@ -152,12 +177,13 @@ def chunked_token_stats(
     if hidden.shape[0] <= chunk_size:
         # Most steps of a small batch: one chunk, which holds what the forward would keep
         # anyway (recomputing it would only cost time); no slice, no copy, no extra node.
-        return _chunk_stats(hidden, targets, head, with_entropy)
+        return _chunk_stats(hidden, targets, head, with_entropy, ignored)
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     tokens, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         stop = start + chunk_size
-        args = (hidden[start:stop], targets[start:stop], head, with_entropy)
+        part = None if ignored is None else ignored[start:stop]
+        args = (hidden[start:stop], targets[start:stop], head, with_entropy, part)
         if recompute:
             token, entropy = checkpoint(
                 _chunk_stats, *args, use_reentrant=False, preserve_rng_state=False
@@ -190,16 +216,20 @@ class TokenScorer:
     chunk_size: int
 
     def stats(
-        self, targets: torch.Tensor, with_entropy: bool
+        self, targets: torch.Tensor, with_entropy: bool, ignored: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs `[N, S]` of `targets` `[N, S]` and entropies `[N]` (None if not asked)."""
+        """Log-probs `[N]` or `[N, S]` of `targets` (shaped so) and entropies `[N]` (None if not
+        asked); the log-probs are 0 where `ignored` (bool, shaped like `targets`)."""
         token, entropy = chunked_token_stats(
-            self.hidden, targets, self.head, self.chunk_size, with_entropy
+            self.hidden, targets, self.head, self.chunk_size, with_entropy, ignored
         )
         if self.unscored is None:
             return token, entropy
         uniform = math.log(self.vocab_size)
-        token = torch.where(self.unscored.unsqueeze(-1), -uniform, token)
+        unscored = self.unscored if token.dim() == 1 else self.unscored.unsqueeze(-1)
+        if ignored is not None:  # an ignored target's log-prob stays 0
+            unscored = unscored & ~ignored
+        token = torch.where(unscored, -uniform, token)
         if entropy is not None:
             entropy = torch.where(self.unscored, uniform, entropy)
         return token, entropy
@@ -261,10 +291,9 @@ class ChunkedTokenCategorical(D.Distribution):
         self._mask = mask
         self.ignore_index = ignore_index
         scored = tokens.reshape(-1).index_select(0, scorer.positions)
-        token, entropy = scorer.stats(scored.clamp_min(0).unsqueeze(-1), with_entropy)
         # The log-probs of `tokens` themselves, as `log_prob(tokens)` returns them: 0 at
         # ignore_index as well as off the mask.
-        token = torch.where(scored == ignore_index, 0.0, token.squeeze(-1))
+        token, entropy = scorer.stats(scored.clamp_min(0), with_entropy, scored == ignore_index)
         self._log_probs = self._scatter(token)
         self._entropy = None if entropy is None else self._scatter(entropy)
         super().__init__(
@@ -308,7 +337,7 @@ class ChunkedTokenCategorical(D.Distribution):
     def entropy(self) -> torch.Tensor:
         """Per-position entropy `[B, T]`, 0 where the mask is False."""
         if self._entropy is None:
-            targets = torch.zeros_like(self._tokens[self._mask]).unsqueeze(-1)
+            targets = torch.zeros_like(self._scorer.positions)
             _, entropy = self._scorer.stats(targets, with_entropy=True)
             self._entropy = self._scatter(entropy)
         return self._entropy
