@@ -133,7 +133,7 @@ def _value_checks(values: dict) -> torch.Tensor:
     if not tokens.numel():
         return torch.zeros(4, dtype=torch.int64)
     attention, assistant = values[ATTENTION_MASK_KEY], values[ASSISTANT_MASK_KEY]
-    lowest, highest = torch.where(attention, tokens, 0).aminmax()
+    lowest, highest = (tokens * attention).aminmax()  # padding as id 0
     checks = [(assistant > attention).sum(), lowest, highest]
     if tokens.dtype != torch.int64:
         checks = [check.long() for check in checks]

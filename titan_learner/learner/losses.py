@@ -317,7 +317,8 @@ def effective_sample_size(
     selected = torch.where(mask, log_weight, -math.inf)
     weights = (selected - selected.amax()).exp()
     count = mask.sum() if count is None else count
-    return weights.sum().square() / weights.square().sum() / count
+    # (sum w)^2 / sum w^2 as (sum w / |w|)^2: one reduction fewer
+    return (weights.sum() / torch.linalg.vector_norm(weights)).square() / count
 
 
 TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy", "tis_truncated")

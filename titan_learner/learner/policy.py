@@ -36,8 +36,11 @@ from titan_learner.model.spec import uses_flex_attention
 
 
 def left_justify_order(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-row permutation that puts real tokens first, in order: gather with it to justify."""
-    return torch.argsort((~attention_mask).to(torch.int8), dim=1, stable=True)
+    """Per-row permutation that puts real tokens first, in order: gather with it to justify.
+
+    A stable descending sort of the bool mask itself (True first, each kind in its order).
+    """
+    return torch.argsort(attention_mask, dim=1, descending=True, stable=True)
 
 
 @contextmanager
@@ -109,11 +112,12 @@ class TitanPolicy(LLMWrapperBase):
         `width`: run only the first `width` justified positions (causal attention: the ones
         kept see exactly what they saw in the whole row). Padding ids are never read (the batch
         check ignores them, and causal attention never looks at the padding that follows a
-        row's tokens), but the embedding still looks them up: they become id 0, so that any
-        pad id works (TorchRL's -100 included).
+        row's tokens), but the embedding still looks them up: they become id 0 (the integer
+        product with the mask, one operator where `where` takes two), so that any pad id works
+        (TorchRL's -100 included).
         """
         order = order if width is None else order[:, :width]
-        justified = torch.where(attention_mask, tokens, 0).gather(1, order)
+        justified = (tokens * attention_mask).gather(1, order)
         masks = None
         if self._flex_attention:
             positions = torch.arange(order.shape[1], device=tokens.device).expand_as(order)
@@ -157,7 +161,7 @@ class TitanPolicy(LLMWrapperBase):
         # of the longest row never does), so the forward and backward skip that work.
         counts = []
         if mask.numel():
-            columns = torch.where(mask, inverse, 0)
+            columns = inverse * mask  # each scored position's justified one, 0 elsewhere
             counts = [mask.sum(), columns.amax(), (columns > 0).sum()]
         if plan is not None:
             counts.append(plan.keep.sum())
@@ -197,7 +201,7 @@ class TitanPolicy(LLMWrapperBase):
         """
         column = inverse.reshape(-1).index_select(0, positions)
         row = positions.div(inverse.shape[1], rounding_mode="floor")
-        before = row * width + column - 1
+        before = torch.add(column, row, alpha=width).sub_(1)  # row * width + column - 1
         unscored = None
         if any_unscored:
             # A row's first real token has no position before it (`unscored`): the state it
