@@ -215,7 +215,7 @@ class Learner:
                 dist.get_world_size(),
                 dist.get_rank(),
             )
-        finite, summed, metrics = self._agree(total.detach(), payload)
+        finite, summed, metrics = self._agree(total, payload)  # read only: no detach
         self.loss_agreed_finite = finite  # the stepper's guard reads it instead of the device
         if not finite:
             for key in loss_keys:
@@ -361,7 +361,7 @@ class Learner:
         """
         pending = self._pending or {}
         if not self._several_processes():
-            finite = math.isfinite(float(loss))
+            finite = math.isfinite(loss.item())  # a read, no detach (float() would warn)
             return finite, dict(pending) if self._pending is not None else None, []
         device = loss.device
         local = torch.cat(
