@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torchrl.modules.distributions.utils import sample_and_log_prob
 
 from tests.support.models import SEQ_LEN, VOCAB, batches, tiny_config
@@ -33,6 +34,7 @@ from titan_learner.learner.logprobs import (
     _TokenStats,
     chunked_token_stats,
 )
+from titan_learner.learner.logprobs import _scattered as scattered
 from titan_learner.learner.losses import build_loss
 from titan_learner.learner.policy import TitanPolicy
 
@@ -265,6 +267,49 @@ def test_chunked_token_stats_against_log_softmax(with_entropy, targets_shape):
     assert (results[0][0][2] == 0).all() and (results[0][0][9] == 0).all()
     empty, _ = chunked_token_stats(hidden[:0], targets[:0], head, 4, with_entropy=False)
     assert empty.shape == (0, *targets_shape[1:]) and empty.requires_grad
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("scored", [13, 40], ids=["13 scored", "40 scored"])
+def test_one_node_scoring_equals_the_composition_bit_for_bit(with_entropy, scored):
+    """One chunk on a plain lm_head weight is one autograd node (`scattered_stats`): its
+    `[B, T]` log-probs and entropies and the gradients of the states and the weight equal those
+    of the matmul, `_TokenStats` and the scatters composed, bit for bit (ignored targets
+    included). More than one chunk, a bias or a position without a state before it keeps the
+    composition."""
+    generator = torch.Generator().manual_seed(scored)
+    shape = torch.Size([6, 9])
+    positions = torch.randperm(shape.numel(), generator=generator)[:scored].sort().values
+    states = torch.randn(scored, 16, generator=generator, requires_grad=True)
+    head = torch.nn.Linear(16, 11, bias=False)
+    targets = torch.randint(0, 11, (scored,), generator=generator)
+    ignored = torch.rand(scored, generator=generator) < 0.2
+    weights = torch.randn(2, *shape, generator=generator)
+    scorer = TokenScorer(states, None, positions, head, vocab_size=11, chunk_size=64)
+
+    def composed():
+        token, entropy = _TokenStats.apply(
+            F.linear(states, head.weight), targets, with_entropy, ignored
+        )
+        return scattered(token, positions, shape), entropy is not None and scattered(
+            entropy, positions, shape
+        )
+
+    results = []
+    for score in (lambda: scorer.scattered_stats(targets, with_entropy, ignored, shape), composed):
+        states.grad = head.weight.grad = None
+        token, entropy = score()
+        total = (token * weights[0]).sum() + ((entropy * weights[1]).sum() if with_entropy else 0)
+        total.backward()
+        results.append((token, entropy if with_entropy else None, states.grad, head.weight.grad))
+    for got, want in zip(*results, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
+    assert (results[0][0].reshape(-1)[positions[ignored]] == 0).all()
+    small = TokenScorer(states, None, positions, head, vocab_size=11, chunk_size=scored - 1)
+    biased = TokenScorer(states, None, positions, torch.nn.Linear(16, 11), 11, 64)
+    first = TokenScorer(states, torch.zeros(scored, dtype=torch.bool), positions, head, 11, 64)
+    for other in (small, biased, first):
+        assert other.scattered_stats(targets, with_entropy, ignored, shape) is None
 
 
 @pytest.mark.parametrize("with_entropy", [True, False])

@@ -88,6 +88,48 @@ def _full_logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
+def _stats_forward(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, ignored: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The log-softmax of `logits` `[n, V]`, the log-probs of `targets` `[n]` or `[n, S]` (0
+    where `ignored`) and, optionally, the entropy `[n]`: what both autograd functions below
+    compute and keep for backward."""
+    log_probs = logits.log_softmax(-1)
+    one = targets.dim() < logits.dim()  # one target a position, given as [n]
+    token = log_probs.gather(-1, targets.unsqueeze(-1) if one else targets)
+    if one:
+        token = token.squeeze(-1)
+    if ignored is not None:
+        token.masked_fill_(ignored, 0.0)
+    entropy = log_probs.exp().mul_(log_probs).sum(-1).neg_() if with_entropy else None
+    return log_probs, token, entropy
+
+
+def _logits_grad(
+    log_probs: torch.Tensor,
+    targets: torch.Tensor,
+    entropy: torch.Tensor | None,
+    ignored: torch.Tensor | None,
+    token_grad: torch.Tensor,
+    entropy_grad: torch.Tensor | None,
+) -> torch.Tensor:
+    """The gradient of the logits `[n, V]` from those of the log-probs and entropies, in two
+    `[n, V]` buffers (see `_TokenStats`)."""
+    if ignored is not None:
+        token_grad = token_grad.masked_fill(ignored, 0.0)
+    if targets.dim() < log_probs.dim():
+        targets, token_grad = targets.unsqueeze(-1), token_grad.unsqueeze(-1)
+    probs = log_probs.exp()
+    # each target's onehot(y) - p, summed (one target per position: nothing to sum)
+    weight = token_grad if token_grad.shape[-1] == 1 else token_grad.sum(-1, keepdim=True)
+    if entropy is None:
+        grad = probs.mul_(weight).neg_()
+    else:
+        grad = log_probs + entropy.unsqueeze(-1)
+        grad.mul_(entropy_grad.unsqueeze(-1)).add_(weight).mul_(probs).neg_()
+    return grad.scatter_add_(-1, targets, token_grad)
+
+
 class _TokenStats(torch.autograd.Function):
     """Log-probs of `targets` `[n]` or `[n, S]` (token ids, one or S a position) and the entropy
     `[n]` from one chunk's logits `[n, V]`.
@@ -111,16 +153,7 @@ class _TokenStats(torch.autograd.Function):
         with_entropy: bool,
         ignored: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        log_probs = logits.log_softmax(-1)
-        one = targets.dim() < logits.dim()  # one target a position, given as [n]
-        token = log_probs.gather(-1, targets.unsqueeze(-1) if one else targets)
-        if one:
-            token = token.squeeze(-1)
-        if ignored is not None:
-            token.masked_fill_(ignored, 0.0)
-        entropy = None
-        if with_entropy:
-            entropy = log_probs.exp().mul_(log_probs).sum(-1).neg_()
+        log_probs, token, entropy = _stats_forward(logits, targets, with_entropy, ignored)
         ctx.save_for_backward(log_probs, targets, entropy, ignored)
         return token, entropy
 
@@ -130,19 +163,59 @@ class _TokenStats(torch.autograd.Function):
         ctx, token_grad: torch.Tensor, entropy_grad: torch.Tensor | None
     ) -> tuple[torch.Tensor, None, None, None]:
         log_probs, targets, entropy, ignored = ctx.saved_tensors
-        if ignored is not None:
-            token_grad = token_grad.masked_fill(ignored, 0.0)
-        if targets.dim() < log_probs.dim():
-            targets, token_grad = targets.unsqueeze(-1), token_grad.unsqueeze(-1)
-        probs = log_probs.exp()
-        # each target's onehot(y) - p, summed (one target per position: nothing to sum)
-        weight = token_grad if token_grad.shape[-1] == 1 else token_grad.sum(-1, keepdim=True)
-        if entropy is None:
-            grad = probs.mul_(weight).neg_()
-        else:
-            grad = log_probs + entropy.unsqueeze(-1)
-            grad.mul_(entropy_grad.unsqueeze(-1)).add_(weight).mul_(probs).neg_()
-        return grad.scatter_add_(-1, targets, token_grad), None, None, None
+        grad = _logits_grad(log_probs, targets, entropy, ignored, token_grad, entropy_grad)
+        return grad, None, None, None
+
+
+class _ScatteredTokenStats(torch.autograd.Function):
+    """`_TokenStats` of one chunk with the lm_head's plain weight before it and the scatter of
+    both results into the `[B, T]` batch after it, as one autograd node.
+
+    Composed, they are the matmul with the transposed weight, the statistics, and for each
+    result a zero-filled index copy and a view: seven nodes whose bookkeeping costs more than
+    their arithmetic on a small model. Backward repeats autograd's operations in its order
+    (the weight's gradient as `grad.t().mm(rows)`, as autograd's matmul backward computes it
+    for the column-major transposed weight), so values and gradients are the composition's bit
+    for bit.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        ignored: torch.Tensor,
+        positions: torch.Tensor,
+        shape: torch.Size,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = rows.mm(weight.t()).float()
+        log_probs, token, entropy = _stats_forward(logits, targets, with_entropy, ignored)
+        ctx.save_for_backward(rows, weight, log_probs, targets, entropy, ignored, positions)
+        scattered = [_scattered(token, positions, shape)]
+        scattered.append(None if entropy is None else _scattered(entropy, positions, shape))
+        return tuple(scattered)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx, token_grad: torch.Tensor, entropy_grad: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None, None]:
+        rows, weight, log_probs, targets, entropy, ignored, positions = ctx.saved_tensors
+        token_grad = token_grad.reshape(-1).index_select(0, positions)
+        if entropy is not None:
+            entropy_grad = entropy_grad.reshape(-1).index_select(0, positions)
+        grad = _logits_grad(log_probs, targets, entropy, ignored, token_grad, entropy_grad)
+        grad = grad.to(weight.dtype)
+        return grad.mm(weight), grad.t().mm(rows), None, None, None, None, None
+
+
+def _scattered(values: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Values `[*S, N]` of the flat `positions` into `[*S, *shape]`, zeros elsewhere."""
+    lead = values.shape[:-1]
+    flat = values.new_zeros(*lead, math.prod(shape))
+    return flat.index_copy(-1, positions, values).view(*lead, *shape)
 
 
 def _chunk_stats(
@@ -234,6 +307,31 @@ class TokenScorer:
             entropy = torch.where(self.unscored, uniform, entropy)
         return token, entropy
 
+    def scattered_stats(
+        self,
+        targets: torch.Tensor,
+        with_entropy: bool,
+        ignored: torch.Tensor,
+        shape: torch.Size,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """`stats` of one target a position (`[N]`), scattered into the flat `[B, T]` `shape`
+        as one autograd node (`_ScatteredTokenStats`); None where that does not apply: more
+        than one chunk, a position without a state before it, an lm_head that is not one plain
+        matmul now (a module with hooks to run, a DTensor, a bias), or autocast (its casts)."""
+        weight = _plain_weight(self.head)
+        if (
+            weight is None
+            or self.head.bias is not None  # type: ignore[union-attr]
+            or self.unscored is not None
+            or self.hidden.shape[0] > self.chunk_size
+            or self.hidden.dtype != weight.dtype
+            or torch.is_autocast_enabled(self.hidden.device.type)
+        ):
+            return None
+        return _ScatteredTokenStats.apply(
+            self.hidden, weight, targets, ignored, self.positions, shape, with_entropy
+        )
+
     @torch.no_grad()
     def sample(self, sample_shape: torch.Size) -> torch.Tensor:
         """Token ids `[*sample_shape, N]` drawn chunk by chunk (no logits kept, no gradient)."""
@@ -293,9 +391,12 @@ class ChunkedTokenCategorical(D.Distribution):
         scored = tokens.reshape(-1).index_select(0, scorer.positions)
         # The log-probs of `tokens` themselves, as `log_prob(tokens)` returns them: 0 at
         # ignore_index as well as off the mask.
-        token, entropy = scorer.stats(scored.clamp_min(0), with_entropy, scored == ignore_index)
-        self._log_probs = self._scatter(token)
-        self._entropy = None if entropy is None else self._scatter(entropy)
+        targets, ignored = scored.clamp_min(0), scored == ignore_index
+        scattered = scorer.scattered_stats(targets, with_entropy, ignored, mask.shape)
+        if scattered is None:
+            token, entropy = scorer.stats(targets, with_entropy, ignored)
+            scattered = self._scatter(token), None if entropy is None else self._scatter(entropy)
+        self._log_probs, self._entropy = scattered
         super().__init__(
             batch_shape=mask.shape,
             event_shape=torch.Size([scorer.vocab_size]),
@@ -304,9 +405,7 @@ class ChunkedTokenCategorical(D.Distribution):
 
     def _scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Values `[*S, N]` of the masked positions into `[*S, B, T]`, zeros elsewhere."""
-        lead = values.shape[:-1]
-        flat = values.new_zeros(*lead, self._mask.numel())
-        return flat.index_copy(-1, self._scorer.positions, values).view(*lead, *self._mask.shape)
+        return _scattered(values, self._scorer.positions, self._mask.shape)
 
     @property
     def mask(self) -> torch.Tensor:
