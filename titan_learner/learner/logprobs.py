@@ -193,9 +193,8 @@ class _ScatteredTokenStats(torch.autograd.Function):
         logits = rows.mm(weight.t()).float()
         log_probs, token, entropy = _stats_forward(logits, targets, with_entropy, ignored)
         ctx.save_for_backward(rows, weight, log_probs, targets, entropy, ignored, positions)
-        scattered = [_scattered(token, positions, shape)]
-        scattered.append(None if entropy is None else _scattered(entropy, positions, shape))
-        return tuple(scattered)
+        scattered_entropy = None if entropy is None else _scattered(entropy, positions, shape)
+        return _scattered(token, positions, shape), scattered_entropy
 
     @staticmethod
     @once_differentiable

@@ -144,10 +144,10 @@ class MaskedLogWeight:
     answers; the batch check counts the same mask) and the difference is masked once: on the
     mask both give cur - prev, off it +0.0, so the bits and the gradient are TorchRL's.
     `kl_approx`, which TorchRL's forward only logs, is 0 - log_weight without gradient (the
-    exact negation, +0.0 where the weight is 0). The
-    masked current log-prob TorchRL leaves in the batch for its KL terms and KL mask is built
-    only when one of them is on. Anything unusual (no or a differentiable behaviour log-prob,
-    shapes that differ, a composite distribution) takes TorchRL's own path and its errors.
+    exact negation, +0.0 where the weight is 0). The masked current log-prob TorchRL leaves in
+    the batch for its KL terms and KL mask is built only when one of them is on. Anything
+    unusual (no or a differentiable behaviour log-prob, shapes that differ, a composite
+    distribution) takes TorchRL's own path and its errors.
     """
 
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
@@ -355,9 +355,9 @@ class TokenMeanAggregation:
     TorchRL expands the mask twice, selects against a zeros tensor of the term's shape, and sums
     the mask again for each term. Here the term is selected against a scalar under the mask
     broadcast by one dimension (`TrainedTokens.trained_column`, one view for all the terms), and
-    divided by `TrainedTokens.trained_count`: the same values
-    in the same order, so the same bits. Any other case (another aggregation or reduction, a
-    mask the forward narrowed, loss-mask entries in the batch) takes TorchRL's own path.
+    divided by `TrainedTokens.trained_count`: the same values in the same order, so the same
+    bits. Any other case (another aggregation or reduction, a mask the forward narrowed,
+    loss-mask entries in the batch) takes TorchRL's own path.
     """
 
     def _aggregate_loss_value(
