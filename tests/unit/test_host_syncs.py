@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support.models import batches, tiny_config
+from titan_learner.learner.batch import TOKENS_KEY
 from titan_learner.learner.local import LocalLearner
 
 READS = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.masked_select.default"}
@@ -24,7 +25,6 @@ READS = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.maske
 EXPECTED = Counter(
     {
         "check_and_count": 1,  # the batch's values, checked before any compute
-        "token_dist": 1,  # how many positions are scored (before the decoder's forward)
         "_agree": 1,  # the loss is finite on every rank, and the step's counts
         "values": 1,  # the metrics, once, after the optimizer step
         "step": 1,  # the gradient norm, for the stepper's non-finite guard (as TorchRL's does)
@@ -64,12 +64,29 @@ class DeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["rows", "shared prompts"])
-def test_one_update_reads_the_device_only_where_it_must(monkeypatch, shared):
-    """Sharing prompts reads the stream's size in the chunked path's one read."""
-    learner = LocalLearner(tiny_config(learner={"share_prompts": shared}))
-    assert learner.config.learner.logprob_chunk_size > 0  # the default, chunked path
+# How many positions are scored, read before the decoder's forward: by the chunked path, not
+# by a batch that fits one chunk (scored whole, titan_learner.learner.justified_stats).
+SCORED_POSITIONS = Counter({"token_dist": 1})
+
+
+@pytest.mark.parametrize(
+    ("learner_section", "reads"),
+    [
+        ({}, EXPECTED),
+        ({"logprob_chunk_size": 16}, EXPECTED + SCORED_POSITIONS),
+        ({"share_prompts": True}, EXPECTED + SCORED_POSITIONS),
+    ],
+    ids=["one chunk", "chunks", "shared prompts"],
+)
+def test_one_update_reads_the_device_only_where_it_must(monkeypatch, learner_section, reads):
+    """A batch that fits one chunk is scored without a read; in chunks, the scored positions
+    are counted once (sharing prompts, the stream's size in the same read)."""
+    learner = LocalLearner(tiny_config(learner=learner_section))
+    assert learner.config.learner.logprob_chunk_size > 0  # a chunked path
+    shared = learner.config.learner.share_prompts
     first, second = batches(2, varied=not shared, grouped=shared)
+    fits = second.get(TOKENS_KEY).numel() <= learner.config.learner.logprob_chunk_size
+    assert fits == ("logprob_chunk_size" not in learner_section)  # the default chunk holds it
     learner.update(first)  # lazy initialization outside the count
     counter = DeviceReads()
     tolist = torch.Tensor.tolist
@@ -83,7 +100,7 @@ def test_one_update_reads_the_device_only_where_it_must(monkeypatch, shared):
     with counter:
         metrics = learner.update(second)
     assert "grad_norm" in metrics.keys()  # a whole optimizer step was counted
-    assert counter.reads == EXPECTED
+    assert counter.reads == reads
 
 
 def test_torchrl_loss_code_reads_the_device_nowhere():

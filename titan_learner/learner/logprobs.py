@@ -371,36 +371,56 @@ class ChunkedTokenCategorical(D.Distribution):
 
     def __init__(
         self,
-        scorer: TokenScorer,
+        scorer: TokenScorer | Callable[[], TokenScorer],
         tokens: torch.Tensor,
         mask: torch.Tensor,
         *,
         with_entropy: bool = True,
         ignore_index: int = IGNORE_INDEX,
+        stats: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        """`stats`: the log-probs of `tokens` and their entropies (None: not computed), both
+        `[B, T]` and computed already (a batch scored whole, titan_learner.learner.
+        justified_stats); `scorer` may then be a function that builds the `TokenScorer`, called
+        only when another value is scored, the entropy computed, or a sample drawn, and
+        `vocab_size` is the vocabulary's size."""
         if tokens.shape != mask.shape or mask.dtype != torch.bool:
             raise ValueError(
                 f"tokens {tuple(tokens.shape)} and a bool mask of the same shape are required, "
                 f"got mask {mask.dtype} {tuple(mask.shape)}"
             )
-        self._scorer = scorer
+        self._scorer_source = scorer
         self._tokens = tokens
         self._mask = mask
         self.ignore_index = ignore_index
-        scored = tokens.reshape(-1).index_select(0, scorer.positions)
-        # The log-probs of `tokens` themselves, as `log_prob(tokens)` returns them: 0 at
-        # ignore_index as well as off the mask.
-        targets, ignored = scored.clamp_min(0), scored == ignore_index
-        scattered = scorer.scattered_stats(targets, with_entropy, ignored, mask.shape)
+        if stats is None:
+            stats = self._score_tokens(with_entropy)
+        self._log_probs, self._entropy = stats
+        super().__init__(
+            batch_shape=mask.shape,
+            event_shape=torch.Size([vocab_size or self._scorer.vocab_size]),
+            validate_args=False,
+        )
+
+    @property
+    def _scorer(self) -> TokenScorer:
+        """The scorer, built on first use when the distribution was given a function for it."""
+        if not isinstance(self._scorer_source, TokenScorer):
+            self._scorer_source = self._scorer_source()
+        return self._scorer_source
+
+    def _score_tokens(self, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The log-probs of `tokens` themselves, as `log_prob(tokens)` returns them (0 at
+        ignore_index as well as off the mask), and their entropies, both `[B, T]`."""
+        scorer = self._scorer
+        scored = self._tokens.reshape(-1).index_select(0, scorer.positions)
+        targets, ignored = scored.clamp_min(0), scored == self.ignore_index
+        scattered = scorer.scattered_stats(targets, with_entropy, ignored, self._mask.shape)
         if scattered is None:
             token, entropy = scorer.stats(targets, with_entropy, ignored)
             scattered = self._scatter(token), None if entropy is None else self._scatter(entropy)
-        self._log_probs, self._entropy = scattered
-        super().__init__(
-            batch_shape=mask.shape,
-            event_shape=torch.Size([scorer.vocab_size]),
-            validate_args=False,
-        )
+        return scattered
 
     def _scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Values `[*S, N]` of the masked positions into `[*S, B, T]`, zeros elsewhere."""

@@ -9,8 +9,10 @@ which causal attention never looks at: log-probs equal those of the unpadded seq
 
 With `logprob_chunk_size > 0` the distributions the losses ask for (`_get_*_dist`, and
 `get_dist` with a `mask_key`) never see `[B, T, V]` logits: the decoder runs without its lm_head
-and `titan_learner.logprobs` scores the masked positions chunk by chunk. `forward` and
-`token_logits` stay dense for other callers.
+and `titan_learner.logprobs` scores the masked positions chunk by chunk; a batch whose positions
+fit one chunk and whose logits are small is scored whole instead, without the chunked path's
+host read (`titan_learner.learner.justified_stats`). `forward` and `token_logits` stay dense for
+other callers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from titan_learner.learner.batch import (
     PROMPT_TOKENS_KEY,
     TOKENS_KEY,
 )
+from titan_learner.learner.justified_stats import WHOLE_BATCH_LOGITS, justified_token_stats
 from titan_learner.learner.logprobs import ChunkedTokenCategorical, TokenScorer
 from titan_learner.learner.shared_prompts import enable_prompt_sharing, plan_stream
 from titan_learner.model.spec import uses_flex_attention
@@ -147,6 +150,8 @@ class TitanPolicy(LLMWrapperBase):
             raise ValueError("token_dist needs logprob_chunk_size >= 1 (0 is the dense path)")
         mask = mask.bool()
         order = left_justify_order(attention_mask)
+        if self._fits_one_chunk(tokens, mask):
+            return self._whole_batch_dist(tokens, attention_mask, mask, order)
         inverse = torch.argsort(order, dim=1)  # caller position -> justified position
         plan = (
             plan_stream(tokens, attention_mask, mask, order)
@@ -181,6 +186,56 @@ class TitanPolicy(LLMWrapperBase):
         scorer = self._scorer(hidden, inverse, positions, width, rows, preceded < count)
         return ChunkedTokenCategorical(scorer, tokens, mask, with_entropy=self.compute_entropy)
 
+    def _fits_one_chunk(self, tokens: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether the batch is scored whole, without a host read
+        (titan_learner.learner.justified_stats): every position fits one lm_head chunk and
+        their logits are small (`WHOLE_BATCH_LOGITS`), some position is scored, rows hold two
+        tokens or more, and no prompt is shared."""
+        return (
+            not self.share_prompts
+            and mask.numel() > 0
+            and tokens.shape[1] > 1
+            and tokens.numel() <= self.logprob_chunk_size
+            and tokens.numel() * self.model.config.vocab_size <= WHOLE_BATCH_LOGITS
+        )
+
+    def _whole_batch_dist(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        mask: torch.Tensor,
+        order: torch.Tensor,
+    ) -> ChunkedTokenCategorical:
+        """`token_dist` of a batch that fits one chunk: every justified position but the last
+        runs through the decoder and scores the next one (`justified_token_stats`). The
+        `TokenScorer` that other values, a second entropy pass or sampling would need is
+        built only if one of them is asked for."""
+        width = tokens.shape[1]
+        with lm_head_skipped(self.model):
+            hidden = self._justified_forward(tokens, attention_mask, order)
+        if isinstance(hidden, DTensor):  # tensor parallel: the final norm's output, replicated
+            hidden = hidden.full_tensor()
+        vocab_size = self.model.config.vocab_size
+        stats = justified_token_stats(
+            hidden, self.model.lm_head, tokens, order, mask, self.compute_entropy
+        )
+
+        chunk_size = self.logprob_chunk_size
+
+        def scorer() -> TokenScorer:
+            positions = mask.reshape(-1).nonzero().squeeze(1)  # a host read, if ever needed
+            inverse = torch.argsort(order, dim=1)
+            return self._scorer(hidden, inverse, positions, width, chunk_size=chunk_size)
+
+        return ChunkedTokenCategorical(
+            scorer,
+            tokens,
+            mask,
+            with_entropy=self.compute_entropy,
+            stats=stats,
+            vocab_size=vocab_size,
+        )
+
     def _scorer(
         self,
         hidden: torch.Tensor,
@@ -189,6 +244,7 @@ class TitanPolicy(LLMWrapperBase):
         width: int,
         rows: torch.Tensor | None = None,
         any_unscored: bool = True,
+        chunk_size: int | None = None,
     ) -> TokenScorer:
         """Keep, for each scored position (flat indices `positions` into the `[B, T]` batch,
         whose justified positions are `inverse`), the justified hidden state one position
@@ -198,6 +254,7 @@ class TitanPolicy(LLMWrapperBase):
         Only these `[N, D]` rows go on to the lm_head: unmasked positions score 0 and get no
         gradient in the dense distribution either, so skipping them changes nothing.
         `any_unscored`: False when the caller knows every scored position has one before it.
+        `chunk_size`: the lm_head's chunk (the policy's own when None).
         """
         column = inverse.reshape(-1).index_select(0, positions)
         row = positions.div(inverse.shape[1], rounding_mode="floor")
@@ -216,7 +273,7 @@ class TitanPolicy(LLMWrapperBase):
             positions=positions,
             head=self.model.lm_head,
             vocab_size=self.model.config.vocab_size,
-            chunk_size=self.logprob_chunk_size,
+            chunk_size=chunk_size or self.logprob_chunk_size,
         )
 
     def _chunked_dist(self, tensordict: TensorDictBase, mask: torch.Tensor | None):
