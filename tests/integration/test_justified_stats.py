@@ -12,7 +12,7 @@ import pytest
 import torch
 from torchrl.modules.distributions.utils import sample_and_log_prob
 
-from tests.support.models import SEQ_LEN, VOCAB, batches, tiny_config
+from tests.support.models import SEQ_LEN, VOCAB, batches, policy_distribution, tiny_config
 from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY, check_batch
 from titan_learner.learner.justified_stats import _JustifiedTokenStats
 from titan_learner.learner.local import LocalLearner
@@ -43,18 +43,14 @@ def scored_mask(batch) -> torch.Tensor:
 
 
 def distribution(learner, batch, mask, chunk_size, compute_entropy=True):
-    policy = learner.policy
-    policy.logprob_chunk_size, policy.compute_entropy = chunk_size, compute_entropy
-    try:
-        dist = policy._get_dist_with_custom_mask(batch, mask)
-    finally:
-        policy.logprob_chunk_size, policy.compute_entropy = 0, True
-    assert isinstance(dist, ChunkedTokenCategorical)
+    dist = policy_distribution(learner, batch, mask, chunk_size, compute_entropy)
+    assert isinstance(dist, ChunkedTokenCategorical) == (chunk_size > 0)
     return dist
 
 
 def scores_and_grads(learner, batch, mask, chunk_size):
-    """Log-probs and entropies, and the parameter gradients of a weighted sum of both."""
+    """Log-probs and entropies, and the parameter gradients of a weighted sum of both (chunk
+    size 0: the dense path's, TorchRL's masked categorical over `[B, T, V]` logits)."""
     learner.model.zero_grad(set_to_none=True)
     dist = distribution(learner, batch, mask, chunk_size)
     tokens = batch.get(TOKENS_KEY)
@@ -74,7 +70,8 @@ def test_whole_batch_scores_and_gradients_equal_the_chunked_and_dense_paths(lear
     batch = batch.clone()
     batch.set(TOKENS_KEY, tokens)
     whole = scores_and_grads(learner, batch, mask, WHOLE)
-    for other in (scores_and_grads(learner, batch, mask, CHUNKS), dense_scores(learner, batch)):
+    for chunk_size in (CHUNKS, 0):
+        other = scores_and_grads(learner, batch, mask, chunk_size)
         torch.testing.assert_close(whole[0], other[0], atol=TOL, rtol=0)
         torch.testing.assert_close(whole[1], other[1], atol=TOL, rtol=0)
         for name, grad in other[2].items():
@@ -83,21 +80,6 @@ def test_whole_batch_scores_and_gradients_equal_the_chunked_and_dense_paths(lear
     assert token[row, 0] == 0 and (token[~mask] == 0).all() and (whole[1][~mask] == 0).all()
     firsts = torch.arange(len(mask)), batch.get(ATTENTION_MASK_KEY).int().argmax(1)
     torch.testing.assert_close(token[firsts], torch.full_like(token[firsts], -math.log(VOCAB)))
-
-
-def dense_scores(learner, batch):
-    """The dense path's (TorchRL's masked categorical over `[B, T, V]` logits) for the same
-    mask, ignore_index handled as it handles it."""
-    learner.model.zero_grad(set_to_none=True)
-    mask = scored_mask(batch)
-    dense = learner.policy._get_dist_with_custom_mask(batch, mask)
-    tokens = batch.get(TOKENS_KEY)
-    generator = torch.Generator().manual_seed(0)
-    weights = torch.randn(2, *mask.shape, generator=generator)
-    token, entropy = dense.log_prob(tokens), dense.entropy()
-    ((token * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
-    grads = {name: p.grad.clone() for name, p in learner.model.named_parameters()}
-    return token.detach(), entropy.detach(), grads
 
 
 def test_whole_batch_answers_the_rest_through_a_scorer_built_on_demand(learner, batch):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torchrl.modules.distributions.utils import sample_and_log_prob
 
-from tests.support.models import SEQ_LEN, VOCAB, batches, tiny_config
+from tests.support.models import SEQ_LEN, VOCAB, batches, policy_distribution, tiny_config
 from tests.support.scenarios import run_layouts
 from tests.support.worlds import run_world
 from titan_learner.config.errors import ConfigError
@@ -132,13 +132,8 @@ def test_config_accepts_and_validates_logprob_chunk_size():
 
 def dense_and_chunked(learner, batch, mask, chunk_size=5, compute_entropy=True):
     """The dense LLMMaskedCategorical and the chunked distribution over the same positions."""
-    policy = learner.policy
-    dense = policy._get_dist_with_custom_mask(batch, mask)
-    policy.logprob_chunk_size, policy.compute_entropy = chunk_size, compute_entropy
-    try:
-        chunked = policy._get_dist_with_custom_mask(batch, mask)
-    finally:
-        policy.logprob_chunk_size, policy.compute_entropy = 0, True
+    dense = policy_distribution(learner, batch, mask, 0)
+    chunked = policy_distribution(learner, batch, mask, chunk_size, compute_entropy)
     assert isinstance(chunked, ChunkedTokenCategorical)
     return dense, chunked
 

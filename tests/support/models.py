@@ -81,3 +81,15 @@ def loss_outputs_and_grads(learner, batch) -> tuple[dict, list]:
     sum(v for k, v in values.items() if k.startswith("loss")).backward()
     grads = [p.grad.clone() for p in learner.model.parameters() if p.grad is not None]
     return {k: v.detach() for k, v in values.items()}, grads
+
+
+def policy_distribution(learner, batch, mask, chunk_size: int, compute_entropy: bool = True):
+    """The learner's policy's distribution over `mask`'s positions with `logprob_chunk_size`
+    set to `chunk_size` (0: TorchRL's dense one) and `compute_entropy`, both restored after."""
+    policy = learner.policy
+    saved = policy.logprob_chunk_size, policy.compute_entropy
+    policy.logprob_chunk_size, policy.compute_entropy = chunk_size, compute_entropy
+    try:
+        return policy._get_dist_with_custom_mask(batch, mask)
+    finally:
+        policy.logprob_chunk_size, policy.compute_entropy = saved
