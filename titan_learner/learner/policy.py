@@ -150,7 +150,7 @@ class TitanPolicy(LLMWrapperBase):
             raise ValueError("token_dist needs logprob_chunk_size >= 1 (0 is the dense path)")
         mask = mask.bool()
         order = left_justify_order(attention_mask)
-        if self._fits_one_chunk(tokens, mask):
+        if self._scores_whole(tokens, mask):
             return self._whole_batch_dist(tokens, attention_mask, mask, order)
         inverse = torch.argsort(order, dim=1)  # caller position -> justified position
         plan = (
@@ -186,7 +186,7 @@ class TitanPolicy(LLMWrapperBase):
         scorer = self._scorer(hidden, inverse, positions, width, rows, preceded < count)
         return ChunkedTokenCategorical(scorer, tokens, mask, with_entropy=self.compute_entropy)
 
-    def _fits_one_chunk(self, tokens: torch.Tensor, mask: torch.Tensor) -> bool:
+    def _scores_whole(self, tokens: torch.Tensor, mask: torch.Tensor) -> bool:
         """Whether the batch is scored whole, without a host read
         (titan_learner.learner.justified_stats): every position fits one lm_head chunk and
         their logits are small (`WHOLE_BATCH_LOGITS`), some position is scored, rows hold two
@@ -206,8 +206,8 @@ class TitanPolicy(LLMWrapperBase):
         mask: torch.Tensor,
         order: torch.Tensor,
     ) -> ChunkedTokenCategorical:
-        """`token_dist` of a batch that fits one chunk: every justified position but the last
-        runs through the decoder and scores the next one (`justified_token_stats`). The
+        """`token_dist` of a batch scored whole: every justified position runs through the
+        decoder and scores the next one, the last one the first (`justified_token_stats`). The
         `TokenScorer` that other values, a second entropy pass or sampling would need is
         built only if one of them is asked for."""
         width = tokens.shape[1]
@@ -219,7 +219,6 @@ class TitanPolicy(LLMWrapperBase):
         stats = justified_token_stats(
             hidden, self.model.lm_head, tokens, order, mask, self.compute_entropy
         )
-
         chunk_size = self.logprob_chunk_size
 
         def scorer() -> TokenScorer:
