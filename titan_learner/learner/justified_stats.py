@@ -17,8 +17,8 @@ Scoring every position also runs the lm_head on the positions no loss reads (pro
 padding): where its matmul is the cost, that outweighs what the bookkeeping saved (a 21 M
 parameter model, vocabulary 8192, 8 x 128 tokens, half of them scored: 1.16x the chunked path's
 step). So a batch is scored whole only while its logits are small, `WHOLE_BATCH_LOGITS`, where
-the overhead of an operator is what a step pays for (the 0.08 M benchmark model, the embedded
-default: ~1% of a step; see docs/performance.md).
+the overhead of an operator is what a step pays for (the 0.08 M benchmark model's 8 x 32
+batch: ~1% of its step; see docs/performance.md).
 
 The results are the chunked path's up to float32 rounding (the lm_head's matmul runs on other
 rows, so its blocking may differ): 0 off the mask and at `ignore_index`, and the uniform
