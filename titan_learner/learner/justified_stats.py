@@ -6,12 +6,12 @@ last justified position any of them takes (a host read, so that the decoder stop
 their hidden states and scatters their scores back: some forty operators, most of a small model's
 scoring time. A batch of at most `logprob_chunk_size` positions fits that one chunk whole, so
 scoring every justified position costs no more memory than the chunk would, and needs neither the
-host read nor the selections: the decoder runs on the first T - 1 justified positions, each
-scores the next justified token, and one gather puts each score at its caller position. This is
-one autograd node (`_JustifiedTokenStats`), the lm_head's matmul included where its weight is a
-plain tensor after the decoder's forward (see `titan_learner.learner.logprobs`); otherwise (a
-bias, autocast, a tensor-parallel DTensor) the lm_head runs as `logprobs` runs it and the node
-starts from its logits.
+host read nor the selections: the decoder runs on every justified position, each scores the
+next justified token (the last one, the row's first: see `_JustifiedTokenStats`), and one gather
+puts each score at its caller position. This is one autograd node (`_JustifiedTokenStats`), the
+lm_head's matmul included where its weight is a plain tensor after the decoder's forward (see
+`titan_learner.learner.logprobs`); otherwise (a bias, autocast, a tensor-parallel DTensor) the
+lm_head runs as `logprobs` runs it and the node starts from its logits.
 
 Scoring every position also runs the lm_head on the positions no loss reads (prompts,
 padding): where its matmul is the cost, that outweighs what the bookkeeping saved (a 21 M
@@ -35,7 +35,7 @@ from titan_learner.learner.logprobs import (
     IGNORE_INDEX,
     _full_logits,
     _logits_grad,
-    _plain_weight,
+    _matmul_weight,
     _stats_forward,
 )
 
@@ -119,17 +119,11 @@ def justified_token_stats(
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs of `tokens` `[B, T]` and, optionally, entropies `[B, T]`, 0 where `mask`
-    is False, from `hidden` `[B, T - 1, D]`: the decoder's final-norm states of the first T - 1
-    positions of the rows left-justified by `order`. The
-    chunked path's values for a batch that fits one chunk (see the module docstring)."""
-    weight = _plain_weight(head)
-    if (
-        weight is None
-        or head.bias is not None
-        or hidden.dtype != weight.dtype
-        or torch.is_autocast_enabled(hidden.device.type)
-    ):
-        inputs, weight = _full_logits(head, hidden.reshape(-1, hidden.shape[-1])), None
-    else:
-        inputs = hidden
+    is False, from `hidden` `[B, T, D]`: the decoder's final-norm states of the rows
+    left-justified by `order`. The chunked path's values for a batch that fits one chunk (see
+    the module docstring)."""
+    weight = _matmul_weight(head, hidden)
+    # without a plain weight, the lm_head runs as the chunked path runs it: the node starts
+    # from its logits
+    inputs = hidden if weight is not None else _full_logits(head, hidden.flatten(0, -2))
     return _JustifiedTokenStats.apply(inputs, weight, tokens, order, mask, with_entropy)

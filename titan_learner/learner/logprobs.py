@@ -71,6 +71,21 @@ def _plain_weight(head: Head) -> torch.Tensor | None:
     return None if isinstance(weight, DTensor) else weight
 
 
+def _matmul_weight(head: Head, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The lm_head's weight where one matmul of `hidden` with it inside an autograd node gives
+    the logits: a plain weight (`_plain_weight`), no bias, `hidden` in its dtype and no
+    autocast (whose casts the node would skip); None otherwise."""
+    weight = _plain_weight(head)
+    if (
+        weight is None
+        or head.bias is not None  # type: ignore[union-attr]
+        or hidden.dtype != weight.dtype
+        or torch.is_autocast_enabled(hidden.device.type)
+    ):
+        return None
+    return weight
+
+
 def _full_logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
     """One chunk of float32 logits; a vocab-sharded (tensor-parallel) chunk is gathered whole.
 
@@ -317,15 +332,8 @@ class TokenScorer:
         as one autograd node (`_ScatteredTokenStats`); None where that does not apply: more
         than one chunk, a position without a state before it, an lm_head that is not one plain
         matmul now (a module with hooks to run, a DTensor, a bias), or autocast (its casts)."""
-        weight = _plain_weight(self.head)
-        if (
-            weight is None
-            or self.head.bias is not None  # type: ignore[union-attr]
-            or self.unscored is not None
-            or self.hidden.shape[0] > self.chunk_size
-            or self.hidden.dtype != weight.dtype
-            or torch.is_autocast_enabled(self.hidden.device.type)
-        ):
+        weight = _matmul_weight(self.head, self.hidden)
+        if weight is None or self.unscored is not None or self.hidden.shape[0] > self.chunk_size:
             return None
         return _ScatteredTokenStats.apply(
             self.hidden, weight, targets, ignored, self.positions, shape, with_entropy
