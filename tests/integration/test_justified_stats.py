@@ -32,14 +32,19 @@ def batch():
     return check_batch(batches(1, varied=True)[0], VOCAB, needs_ref_log_probs=False)
 
 
-def scored_mask(batch) -> torch.Tensor:
-    """Every real token (each row's first among them: the uniform case), and one padding
-    position whose token is ignore_index (scored as 0, as TorchRL's masked categorical does)."""
+def with_scored_padding(batch):
+    """The batch with ignore_index as one padding position's token, and a mask of every real
+    token (each row's first among them: the uniform case) and that padding position (scored
+    as 0, as TorchRL's masked categorical does); and the padding position's row."""
     attention = batch.get(ATTENTION_MASK_KEY)
-    mask = attention.clone()
     row = int(attention.sum(1).argmin())  # the shortest row has padding before it
+    mask = attention.clone()
     mask[row, 0] = True
-    return mask
+    tokens = batch.get(TOKENS_KEY).clone()
+    tokens[row, 0] = IGNORE_INDEX  # padding: never an embedding lookup
+    batch = batch.clone()
+    batch.set(TOKENS_KEY, tokens)
+    return batch, mask, row
 
 
 def distribution(learner, batch, mask, chunk_size, compute_entropy=True):
@@ -63,12 +68,7 @@ def scores_and_grads(learner, batch, mask, chunk_size):
 
 
 def test_whole_batch_scores_and_gradients_equal_the_chunked_and_dense_paths(learner, batch):
-    mask = scored_mask(batch)
-    tokens = batch.get(TOKENS_KEY).clone()
-    row = int(batch.get(ATTENTION_MASK_KEY).sum(1).argmin())
-    tokens[row, 0] = IGNORE_INDEX  # padding: never an embedding lookup
-    batch = batch.clone()
-    batch.set(TOKENS_KEY, tokens)
+    batch, mask, row = with_scored_padding(batch)
     whole = scores_and_grads(learner, batch, mask, WHOLE)
     for chunk_size in (CHUNKS, 0):
         other = scores_and_grads(learner, batch, mask, chunk_size)
