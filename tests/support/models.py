@@ -93,3 +93,27 @@ def policy_distribution(learner, batch, mask, chunk_size: int, compute_entropy: 
         return policy._get_dist_with_custom_mask(batch, mask)
     finally:
         policy.logprob_chunk_size, policy.compute_entropy = saved
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(7))
+
+
+def learner_logits(learner, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return learner.model(x.to(learner.device)).float().cpu()
+
+
+def hf_model(learner, seed: int = 123) -> torch.nn.Module:
+    """A transformers model of the learner's architecture with other (seeded) weights."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_learner.model.hf_config import hf_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(hf_config(learner.spec), dtype=torch.float32).eval()
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}

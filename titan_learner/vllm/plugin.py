@@ -1,0 +1,28 @@
+"""Our weight-transfer backends, registered with vLLM's factories.
+
+`register` is the `vllm.general_plugins` entry point (pyproject.toml): vLLM calls it in every
+one of its processes (API server, engine core, workers) before it builds a worker, so an engine
+started with `weight_transfer_config={"backend": "gloo"}` finds the backend without any code of
+ours on its command line. The trainer calls it too before it asks the trainer factory. vLLM may
+load plugins more than once in a process: registering is idempotent.
+"""
+
+from __future__ import annotations
+
+GLOO = "gloo"
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    if GLOO not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            GLOO, "titan_learner.vllm.gloo_engine", "GlooWeightTransferEngine"
+        )
+    if GLOO not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            GLOO, "titan_learner.vllm.gloo_trainer", "GlooTrainerWeightTransferEngine"
+        )

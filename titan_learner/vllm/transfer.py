@@ -1,0 +1,86 @@
+"""The trainer side of one engine's weight transfer, on vLLM's own RL API.
+
+`EngineWeightTransfer` builds the trainer engine for a backend through vLLM's
+`WeightTransferTrainerFactory` (our gloo backend registered first), with a client that answers
+the four control calls (a `vllm.LLM` does), and sends one export per `send(named, version)`.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+
+from titan_learner.vllm.plugin import register
+from titan_learner.vllm.sources import NamedTensorSource
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def trainer_init_info(backend: str, workers: int, address: str = "127.0.0.1") -> Any:
+    """The trainer init info of `backend` for one sender and `workers` inference workers."""
+    if backend == "gloo":
+        from titan_learner.vllm.gloo_trainer import GlooTrainerInitInfo
+
+        return GlooTrainerInitInfo(rank=0, world_size=1 + workers, master_address=address)
+    if backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(rank=0)
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(
+            rank=0, master_address=address, master_port=free_port(), world_size=1 + workers
+        )
+    raise ValueError(f"no trainer init info for weight transfer backend {backend!r}")
+
+
+class OfflineClient:
+    """vLLM's four control calls on an in-process `vllm.LLM` (its RL mixin takes requests
+    wrapped as `{"init_info": ...}` / `{"update_info": ...}`; trainer engines pass the info)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+
+class EngineWeightTransfer:
+    """One engine's weights, sent through vLLM's trainer engine for `backend`."""
+
+    def __init__(self, client: Any, backend: str, workers: int) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        register()
+        self.backend = backend
+        self.source = NamedTensorSource()
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            trainer_init_info(backend, workers), client=client, source=self.source
+        )
+
+    def send(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        self.source.fill(named, version)
+        try:
+            self.engine.send_weights()
+        finally:
+            self.source.clear()
+
+    def close(self) -> None:
+        self.engine.shutdown()
