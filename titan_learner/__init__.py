@@ -54,7 +54,7 @@ _EXPORTS = {
     "HFModelSink": "titan_learner.weights.sinks",
     "SafetensorsDirSink": "titan_learner.weights.sinks",
     "VLLMSink": "titan_learner.weights.vllm",
-    "VLLMRPCSink": "titan_learner.weights.vllm",
+    "VLLMEngineSink": "titan_learner.vllm.engine_sink",
     "WeightsError": "titan_learner.weights.matching",
     "WeightsManifest": "titan_learner.weights.export",
     # checkpoints
@@ -84,7 +84,7 @@ __all__ = [
     "SafetensorsDirSink",
     "StagingSink",
     "TitanLearner",
-    "VLLMRPCSink",
+    "VLLMEngineSink",
     "VLLMSink",
     "WeightSink",
     "WeightsError",
@@ -136,6 +136,7 @@ if TYPE_CHECKING:
     from titan_learner.learner.contract import Capabilities, Learner
     from titan_learner.learner.local import LocalLearner
     from titan_learner.learner.titan import TitanLearner
+    from titan_learner.vllm.engine_sink import VLLMEngineSink
     from titan_learner.weights.export import WeightsManifest
     from titan_learner.weights.matching import WeightsError
     from titan_learner.weights.sinks import (
@@ -146,4 +147,4 @@ if TYPE_CHECKING:
         WeightSink,
         push_weights,
     )
-    from titan_learner.weights.vllm import VLLMRPCSink, VLLMSink
+    from titan_learner.weights.vllm import VLLMSink

@@ -4,9 +4,10 @@ One engine serves the whole module (it takes ~20-45 s to start on 2 cores). Its 
 toy vocabulary on a head_dim-64 Llama (the CPU attention refuses head_dim 16), in float32, so
 that the engine and the learner can be compared number for number. The learner pushes its
 weights into the engine through both ways the project offers (`GeneratorSink` ->
-`VLLMGenerator.load_weights`, the job's path, and `VLLMRPCSink`), across vLLM's process
-boundary, and the engine must then serve what a transformers model with the same exported
-weights computes.
+`VLLMGenerator.load_weights`, the job's path, and `VLLMEngineSink`), both on vLLM's own RL
+weight-transfer API with our gloo backend (start, update, update with the manifest, finish),
+and the engine must then serve what a transformers model with the same exported weights
+computes; a damaged or mismatched update must leave it serving what it served.
 """
 
 from __future__ import annotations
@@ -60,9 +61,8 @@ def learner() -> LocalLearner:
 @pytest.fixture(scope="module")
 def engine(learner, tmp_path_factory):
     """A VLLMGenerator started from a directory of random weights of the learner's shape (its
-    own seed: the first push must replace them), with the RPC sink's worker extension."""
+    own seed: the first push must replace them); on CPU its weight transfer is gloo."""
     from titan_learner.rollout.vllm import VLLMGenerator
-    from titan_learner.weights.vllm import WORKER_EXTENSION
 
     directory = tmp_path_factory.mktemp("engine") / "model"
     other = LocalLearner(learner_config(seed=1))
@@ -76,8 +76,8 @@ def engine(learner, tmp_path_factory):
         enforce_eager=True,
         max_model_len=64,
         kv_cache_memory_bytes=64 << 20,
-        worker_extension_cls=WORKER_EXTENSION,
     )
+    assert generator.weight_transfer == "gloo"
     yield generator
     generator.close()
 
@@ -161,17 +161,14 @@ def greedy(generator) -> tuple[torch.Tensor, torch.Tensor]:
     return rollout.completion_tokens, rollout.completion_log_probs
 
 
-@pytest.mark.parametrize("sink", ["generator", "rpc"])
-def test_a_pushed_update_serves_what_transformers_computes(learner, engine, sink):
-    from titan_learner.weights.vllm import VLLMRPCSink
+def served_version(engine) -> int:
+    return int(engine.llm.get_weight_version())
 
-    train(learner, steps=2, seed=20 if sink == "rpc" else 30)
+
+def check_serves_the_learners_weights(learner, engine, sink) -> None:
     before = greedy(engine)
-    receiver = GeneratorSink(engine) if sink == "generator" else VLLMRPCSink(engine.llm)
-    manifest = push_weights(learner, receiver, BUCKET, dtype=F32)
-    assert manifest.version == learner.policy_version
-    if sink == "rpc":
-        assert set(engine.llm.collective_rpc("titan_version")) == {learner.policy_version}
+    manifest = push_weights(learner, sink, BUCKET, dtype=F32)
+    assert manifest.version == learner.policy_version == served_version(engine)
     tokens, log_probs = greedy(engine)
     expected_tokens, expected_log_probs = greedy(reference_generator(learner))
     assert not torch.equal(tokens, before[0]), "the push changed what the engine serves"
@@ -182,33 +179,63 @@ def test_a_pushed_update_serves_what_transformers_computes(learner, engine, sink
     )
 
 
-def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weights(learner, engine):
-    from titan_learner.weights.vllm import VLLMRPCSink
+def test_a_pushed_update_serves_what_transformers_computes(learner, engine):
+    train(learner, steps=2, seed=30)
+    check_serves_the_learners_weights(learner, engine, GeneratorSink(engine))
 
-    push_weights(learner, VLLMRPCSink(engine.llm), BUCKET, dtype=F32)
+
+def tampered_in_transit(monkeypatch, engine) -> None:
+    """The next broadcast carries other bytes than the ones the trainer hashed and vouched for
+    in the manifest (what a peer on the data channel could do)."""
+    from titan_learner.vllm.sources import NamedTensorSource
+    from titan_learner.weights.export import checksum_of
+
+    trainer = engine._transfer.engine
+    broadcast = trainer._broadcast
+
+    def tampering(source, meta):
+        vouched = checksum_of(list(source))
+        altered = NamedTensorSource()
+        altered.fill([(n, t + 1e-3) for n, t in source], source.version)
+        broadcast(altered, meta)
+        return vouched
+
+    monkeypatch.setattr(trainer, "_broadcast", tampering)
+
+
+def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weights(
+    learner, engine, monkeypatch
+):
+    push_weights(learner, GeneratorSink(engine), BUCKET, dtype=F32)
     served = greedy(engine)
+    version = served_version(engine)
     train(learner, steps=1, seed=40)
-
-    class Corrupting(VLLMRPCSink):
-        def write(self, bucket):
-            super().write([(n, t + 1e-3) for n, t in bucket])
-
-    with pytest.raises(WeightsError, match=r"rejected export v\d+ .*checksum mismatch"):
-        push_weights(learner, Corrupting(engine.llm), BUCKET, dtype=F32)
-    sink = VLLMRPCSink(engine.llm)
-    sink.begin(learner.policy_version)
-    export = learner.iter_weights(dtype=F32)
-    for bucket in export:
-        sink.write(bucket)
-    stale = type(export.manifest)(
-        **{**vars(export.manifest), "version": learner.policy_version + 1}
-    )
-    with pytest.raises(WeightsError, match=rf"commit of v{learner.policy_version + 1} for a begin"):
-        sink.commit(stale)
-    wrong_shape = [(n, t[..., :1]) for n, t in learner.get_weights(dtype=F32).items()]
+    weights = list(learner.get_weights(dtype=F32).items())
+    with monkeypatch.context() as patch:
+        tampered_in_transit(patch, engine)
+        with pytest.raises(WeightsError, match=r"refused export v\d+.*checksum mismatch"):
+            engine.load_weights(weights, version=learner.policy_version)
+    wrong_shape = [(n, t[..., :1].contiguous()) for n, t in weights]
     with pytest.raises(WeightsError, match="nothing was copied"):
-        engine.load_weights(wrong_shape, version=99)
-    assert set(engine.llm.collective_rpc("titan_version")) == {learner.policy_version - 1}
+        engine.load_weights(wrong_shape, version=99)  # checked before anything is sent
+    with pytest.raises(WeightsError, match="does not fit the served model, nothing was swapped"):
+        engine._transfer.send(wrong_shape, 99)  # the workers' own check, past the trainer's
+    renamed = [(n.replace("model.", "net.", 1), t) for n, t in weights]
+    with pytest.raises(WeightsError, match=r"unknown names .*net\.embed_tokens\.weight"):
+        engine._transfer.send(renamed, 100)
+    assert served_version(engine) == version
     tokens, log_probs = greedy(engine)
     assert torch.equal(tokens, served[0])
     torch.testing.assert_close(log_probs, served[1], atol=0, rtol=0, equal_nan=True)
+    push_weights(learner, GeneratorSink(engine), BUCKET, dtype=F32)  # the next push goes through
+    assert served_version(engine) == learner.policy_version
+    assert not torch.equal(greedy(engine)[0], served[0])
+
+
+def test_an_engine_sink_on_a_users_llm_takes_over_its_weight_transfer(learner, engine):
+    """Last in the module: the sink's init joins the engine's workers to a new group, and the
+    generator's own transfer is then stale."""
+    from titan_learner.vllm.engine_sink import VLLMEngineSink
+
+    train(learner, steps=2, seed=20)
+    check_serves_the_learners_weights(learner, engine, VLLMEngineSink(engine.llm))

@@ -53,6 +53,15 @@ BAD = {
         ['rollout.generator="vllm"', 'rollout.model_path="engine"', "rollout.vllm.seed=3"],
         "[rollout.vllm] seed: seed is set by [run] seed, not here",
     ),
+    "vllm weight transfer typo": (
+        [
+            'rollout.generator="vllm"',
+            'rollout.model_path="engine"',
+            'rollout.vllm.weight_transfer="NCCL"',
+        ],
+        "[rollout.vllm] weight_transfer: 'NCCL' is not a weight-transfer backend; allowed: auto, "
+        "ipc, nccl, nccl_m2n, gloo",
+    ),
     "token budget shorter than a sequence": (
         ["learner.max_tokens_per_microbatch=20"],
         "[learner] max_tokens_per_microbatch: max_tokens_per_microbatch = 20 is shorter than the "

@@ -72,3 +72,14 @@ def test_an_unknown_engine_argument_is_named(same_shape):
         "'gpu_mem' (see vllm.EngineArgs)"
     )
     validate(toy_with_vllm(same_shape, "rollout.vllm.enforce_eager=true"), world_size=1)
+
+
+@needs_vllm
+def test_a_gpu_weight_transfer_on_a_cpu_machine_is_one_line(same_shape):
+    with pytest.raises(ConfigError) as info:
+        validate(toy_with_vllm(same_shape, 'rollout.vllm.weight_transfer="nccl"'), world_size=1)
+    assert str(info.value) == (
+        f"{TOY}: [rollout.vllm] weight_transfer: weight_transfer 'nccl' moves weights between "
+        "CUDA devices and this engine runs on the CPU; allowed here: gloo (or auto)"
+    )
+    validate(toy_with_vllm(same_shape, 'rollout.vllm.weight_transfer="gloo"'), world_size=1)

@@ -4,33 +4,26 @@ Argument checks, the engine metadata, dtype casting, manifest verification, and 
 mapping handed to a real TorchRL sender (`VLLMDoubleBufferWeightSender`, the same
 `update_weights(weights)` contract as the NCCL `VLLMWeightSender`, writing to a directory this
 test reads back with TorchRL's own transport); a real TorchRL sender failing midway; TorchRL's
-NCCL sender refused at once against vLLM 0.32. The worker extension's stage / verify / swap
-runs on several CPU workers (tensor-parallel ranks) whose "model" loads HF-named tensors into a
-transformers model, reached through an in-process stand-in for vLLM's `collective_rpc`.
+NCCL sender refused at once against vLLM 0.32.
 
-Against a real vLLM engine (one worker): tests/integration/test_vllm_engine.py.
+vLLM's own RL API (the gloo backend): tests/unit/test_gloo_weight_transfer.py (several
+workers) and tests/integration/test_vllm_engine.py (a real engine).
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torchrl.weight_update.llm import VLLMDoubleBufferSyncScheme, VLLMWeightSyncScheme
 from torchrl.weight_update.weight_sync_schemes import WeightStrategy
-from transformers import AutoModelForCausalLM
 
-from tests.support.models import VOCAB, batches, tiny_config
+from tests.support.models import batches, hf_model, learner_logits, tiny_config, tokens
 from titan_learner.learner.local import LocalLearner
 from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
 from titan_learner.weights.matching import WeightsError
-from titan_learner.weights.rpc_transport import pack_tensors
 from titan_learner.weights.sinks import push_weights
 from titan_learner.weights.vllm import (
-    VLLMRPCSink,
     VLLMSink,
-    VLLMSinkWorkerExtension,
     check_engine_dtype,
     engine_metadata,
     engine_weights,
@@ -49,21 +42,6 @@ def trained(request):
     return learner
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(7))
-
-
-def learner_logits(learner, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return learner.model(x.to(learner.device)).float().cpu()
-
-
-def hf_model(learner, seed: int = 123) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(hf_config(learner.spec), dtype=F32).eval()
-
-
 def double_buffer(tmp_path):
     """A real TorchRL vLLM sender that runs on CPU: it writes the mapping it is handed with
     TensorDict.memmap, and the scheme's transport reads it back."""
@@ -73,10 +51,6 @@ def double_buffer(tmp_path):
     sender = scheme.create_sender()
     sender.register_model(torch.nn.Module())  # creates the transport; weights are always passed
     return sender, scheme.create_transport()
-
-
-def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +96,6 @@ def test_sink_arguments_are_checked(tmp_path):
         VLLMSink(sender, {"model.norm.weight": BF16})
     with pytest.raises(ValueError, match="not an engine dtype"):
         VLLMSink(sender, {"model.norm.weight": (torch.int64, (64,))})
-    with pytest.raises(TypeError, match="must have collective_rpc"):
-        VLLMRPCSink(object())
 
 
 def test_sink_calls_out_of_order_are_refused(tmp_path):
@@ -260,148 +232,3 @@ def test_a_failing_torchrl_sender_marks_the_engine_inconsistent(trained, tmp_pat
     with pytest.raises(WeightsError, match="may hold a mix of vNone and v1"):
         push_weights(trained, sink, bucket_bytes=BUCKET, dtype=BF16)
     assert sink.version is None and not sink.consistent
-
-
-# ---------------------------------------------------------------------------------------------
-# VLLMRPCSink and the worker extension, on CPU workers
-
-
-class HFLoader:
-    """Stands in for vLLM's model inside a worker: `load_weights` of HF-named tensors, cast to
-    the model's dtype (vLLM's default weight loader, without fused layers or TP slicing)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.targets = dict(model.state_dict(keep_vars=True))
-
-    @torch.no_grad()
-    def load_weights(self, weights) -> set[str]:
-        loaded = set()
-        for name, tensor in weights:
-            self.targets[name].copy_(tensor)
-            loaded.add(name)
-        return loaded
-
-
-class CPUWorker(VLLMSinkWorkerExtension):
-    """What vLLM mixes the extension into: a worker with `device` and `reload_weights` (vLLM's
-    in-place reload of checkpoint-format weights, here without fusing or TP slicing)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.device = torch.device("cpu")
-        self.model_runner = SimpleNamespace(model=HFLoader(model))
-
-    def reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
-        assert is_checkpoint_format
-        self.model_runner.model.load_weights(weights_iterator)
-
-
-def serialized(value):
-    """A copy of an RPC argument as it reaches a worker: containers rebuilt, buffers as bytes."""
-    if isinstance(value, memoryview):
-        return bytes(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(serialized(v) for v in value)
-    if isinstance(value, dict):
-        return {k: serialized(v) for k, v in value.items()}
-    return value
-
-
-class InProcessRPC:
-    """vLLM's `LLM.collective_rpc` dispatch, in this process: call `method` by name on every
-    worker and return their results. Each worker gets its own copy of the arguments (vLLM
-    msgpack-encodes them, a memoryview arriving as bytes; `serialized` stands in); `tamper` may
-    alter one worker's copy in transit. The
-    real engine's boundary is exercised in tests/integration/test_vllm_engine.py; this one has
-    several (tensor-parallel) workers, which one CPU engine here cannot have."""
-
-    def __init__(self, workers, tamper=None) -> None:
-        self.workers = workers
-        self.tamper = tamper
-        self.prefix_cache_resets = 0
-
-    def collective_rpc(self, method: str, args: tuple = ()) -> list:
-        results = []
-        for rank, worker in enumerate(self.workers):
-            copied = serialized(args)
-            if self.tamper is not None:
-                copied = self.tamper(rank, method, copied)
-            results.append(getattr(worker, method)(*copied))
-        return results
-
-    def reset_prefix_cache(self) -> None:
-        self.prefix_cache_resets += 1
-
-
-def test_rpc_sink_loads_verified_weights_on_every_worker(trained):
-    models = [hf_model(trained, seed=1), hf_model(trained, seed=2)]  # tensor-parallel ranks
-    engine = InProcessRPC([CPUWorker(m) for m in models])
-    sink = VLLMRPCSink(engine)
-    manifest = push_weights(trained, sink, bucket_bytes=BUCKET, dtype=F32)
-    assert sink.version == manifest.version == 1 and sink.consistent
-    assert engine.collective_rpc("titan_version") == [1, 1]
-    assert engine.prefix_cache_resets == 1
-    assert all(w._titan_staged is None for w in engine.workers), "staged copies are dropped"
-    x = tokens()
-    for model in models:
-        with torch.no_grad():
-            torch.testing.assert_close(
-                model(x).logits, learner_logits(trained, x), atol=1e-5, rtol=0
-            )
-
-
-def test_rpc_sink_swaps_nothing_when_one_worker_received_bad_bytes(trained):
-    def flip_one_bit_for_rank_1(rank, method, args):
-        if rank == 1 and method == "titan_stage":
-            version, packed = args
-            name, dtype, shape, raw = packed[0]
-            flipped = bytearray(raw)
-            flipped[0] ^= 1
-            return version, [(name, dtype, shape, bytes(flipped)), *packed[1:]]
-        return args
-
-    models = [hf_model(trained, seed=1), hf_model(trained, seed=2)]
-    engine = InProcessRPC([CPUWorker(m) for m in models], tamper=flip_one_bit_for_rank_1)
-    before = [state(m) for m in models]
-    sink = VLLMRPCSink(engine)
-    with pytest.raises(
-        WeightsError,
-        match=r"worker 1 rejected export v1 \(1 of 2 workers did\), nothing was swapped: .*"
-        "checksum mismatch",
-    ):
-        push_weights(trained, sink, bucket_bytes=BUCKET, dtype=F32)
-    for model, previous in zip(models, before, strict=True):
-        assert all(torch.equal(t, previous[n]) for n, t in model.state_dict().items())
-    assert engine.collective_rpc("titan_version") == [None, None]
-    assert all(w._titan_staged is None for w in engine.workers)
-    assert sink.version is None and sink.consistent and engine.prefix_cache_resets == 0
-
-
-def test_worker_extension_refuses_to_swap_an_unverified_export(trained):
-    worker = CPUWorker(hf_model(trained))
-    named = list(trained.get_weights(dtype=F32).items())
-    with pytest.raises(RuntimeError, match=r"titan_stage\(v2\) without titan_begin\(v2\)"):
-        worker.titan_stage(2, pack_tensors(named))
-    worker.titan_begin(2)
-    worker.titan_stage(2, pack_tensors(named))
-    with pytest.raises(RuntimeError, match="was not verified here"):
-        worker.titan_swap(2)
-    export = trained.iter_weights(dtype=F32)
-    list(export)
-    manifest = {**vars(export.manifest), "version": 3}
-    assert worker.titan_verify(manifest) == "no staged export v3 on this worker"
-    worker.titan_drop()
-    with pytest.raises(RuntimeError, match="was not verified here"):
-        worker.titan_swap(2)
-
-
-def test_rpc_sink_abort_drops_the_staged_export(trained):
-    engine = InProcessRPC([CPUWorker(hf_model(trained))])
-    sink = VLLMRPCSink(engine)
-    sink.begin(1)
-    sink.write(list(trained.get_weights(dtype=F32).items())[:3])
-    assert len(engine.workers[0]._titan_staged) == 3
-    sink.abort()
-    assert engine.workers[0]._titan_staged is None
-    with pytest.raises(WeightsError, match=r"write\(\) before begin\(\)"):
-        sink.write([])

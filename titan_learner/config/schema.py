@@ -158,7 +158,9 @@ class RolloutSection:
     """vllm only: keyword arguments of `vllm.LLM` ([rollout.vllm] gpu_memory_utilization,
     enforce_eager, max_model_len, ...). Defaults: dtype = [learner] export_dtype, seed = [run]
     seed, max_model_len = [data] max_prompt_tokens + the longest max_new_tokens,
-    gpu_memory_utilization 0.5 on a GPU."""
+    gpu_memory_utilization 0.5 on a GPU. One key is ours: weight_transfer = "auto" | "ipc" |
+    "nccl" | "nccl_m2n" | "gloo", the backend of vLLM's RL weight-transfer API that moves each
+    update into the engines (auto: ipc for an engine on the rank's own GPU, gloo on CPU)."""
 
 
 @dataclass

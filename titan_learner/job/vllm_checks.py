@@ -9,14 +9,17 @@ from collections.abc import Callable
 
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
+from titan_learner.vllm.backends import WEIGHT_TRANSFERS
 
 RESERVED_ENGINE_KEYS = {
     "model": "[rollout] model_path",
     "dtype": "[learner] export_dtype",
     "seed": "[run] seed",
     "skip_tokenizer_init": "titan_learner (prompts arrive as token ids)",
-    "worker_extension_cls": "titan_learner (its worker extension loads the weights)",
+    "weight_transfer_config": "[rollout.vllm] weight_transfer",
 }
+OWN_ENGINE_KEYS = {"weight_transfer"}
+"""[rollout.vllm] keys that are ours (VLLMGenerator's arguments), not vllm.EngineArgs fields."""
 
 
 def engine_model_path(config: Config) -> str | None:
@@ -45,6 +48,13 @@ def check_vllm_structure(config: Config) -> None:
             check_vllm_sampling(completions, temperature)
         except ValueError as err:
             raise ConfigError(str(err), source=source, where=where) from None
+    transfer = config.rollout.vllm.get("weight_transfer", "auto")
+    if transfer not in WEIGHT_TRANSFERS:
+        raise ConfigError(
+            f"{transfer!r} is not a weight-transfer backend; allowed: {', '.join(WEIGHT_TRANSFERS)}",
+            source=source,
+            where="[rollout.vllm] weight_transfer",
+        )
     for key, owner in RESERVED_ENGINE_KEYS.items():
         if key in config.rollout.vllm:
             raise ConfigError(
@@ -57,6 +67,27 @@ def check_vllm_machine(config: Config, machine_check: Callable[[Callable[[], Non
     vllm installed and knowing every [rollout.vllm] key."""
     machine_check(lambda: _check_engine_model(config))
     machine_check(lambda: _check_engine_arguments(config))
+    machine_check(lambda: _check_weight_transfer(config))
+
+
+def _check_weight_transfer(config: Config) -> None:
+    """The backend `weight_transfer` names can serve an engine on this machine (the job puts
+    each rank's engine on the rank's device: its GPU where there is one)."""
+    import torch
+
+    from titan_learner.vllm.backends import resolve_weight_transfer
+
+    engine = config.rollout.vllm
+    try:
+        resolve_weight_transfer(
+            engine.get("weight_transfer", "auto"),
+            engine_on_gpu=torch.cuda.is_available(),
+            colocated=engine.get("tensor_parallel_size", 1) == 1,
+        )
+    except ValueError as err:
+        raise ConfigError(
+            str(err), source=config.source, where="[rollout.vllm] weight_transfer"
+        ) from None
 
 
 def _check_engine_arguments(config: Config) -> None:
@@ -70,7 +101,7 @@ def _check_engine_arguments(config: Config) -> None:
             source=config.source,
             where="[rollout] generator",
         ) from None
-    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)} | OWN_ENGINE_KEYS
     for key in config.rollout.vllm:
         if key not in known:
             raise ConfigError(

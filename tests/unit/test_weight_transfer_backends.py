@@ -1,0 +1,56 @@
+"""Which backend of vLLM's RL weight-transfer API `[rollout.vllm] weight_transfer` picks
+(titan_learner.vllm.backends), and the one-line refusals of a backend that cannot reach the
+engine. No vLLM needed: the choice is made before any engine starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from titan_learner.vllm.backends import WEIGHT_TRANSFERS, resolve_weight_transfer
+
+# (requested, engine on a GPU, colocated with the trainer) -> backend
+CHOSEN = {
+    ("auto", False, False): "gloo",
+    ("auto", False, True): "gloo",
+    ("auto", True, True): "ipc",
+    ("auto", True, False): "nccl",
+    ("gloo", True, True): "gloo",
+    ("gloo", True, False): "gloo",
+    ("gloo", False, False): "gloo",
+    ("ipc", True, True): "ipc",
+    ("nccl", True, False): "nccl",
+}
+
+REFUSED = {
+    ("nccl", False, False): "'nccl' moves weights between CUDA devices and this engine runs on "
+    "the CPU; allowed here: gloo (or auto)",
+    ("ipc", False, True): "'ipc' moves weights between CUDA devices",
+    ("nccl_m2n", False, False): "'nccl_m2n' moves weights between CUDA devices",
+    ("ipc", True, False): "'ipc' shares CUDA memory with an engine on the trainer's own GPU and "
+    "this engine is elsewhere; allowed: nccl, gloo (or auto)",
+    ("nccl", True, True): "'nccl' needs the engine on another GPU than the trainer's (NCCL allows "
+    "one rank per device); allowed for a colocated engine: ipc, gloo (or auto)",
+    ("nccl_m2n", True, True): "rollout servers' tensor-parallel layout, and this engine is an "
+    "in-process vllm.LLM; allowed here: ipc, gloo (or auto)",
+    ("NCCL", True, False): "weight_transfer 'NCCL' is not a backend; allowed: auto, ipc, nccl, "
+    "nccl_m2n, gloo",
+}
+
+
+@pytest.mark.parametrize(("case", "backend"), CHOSEN.items())
+def test_the_backend_chosen_for_each_engine_placement(case, backend):
+    requested, on_gpu, colocated = case
+    assert resolve_weight_transfer(requested, engine_on_gpu=on_gpu, colocated=colocated) == backend
+
+
+@pytest.mark.parametrize(("case", "message"), REFUSED.items())
+def test_a_backend_that_cannot_reach_the_engine_is_refused(case, message):
+    requested, on_gpu, colocated = case
+    with pytest.raises(ValueError) as info:
+        resolve_weight_transfer(requested, engine_on_gpu=on_gpu, colocated=colocated)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_named_backend_is_chosen_or_refused_somewhere():
+    named = {case[0] for case in CHOSEN} | {case[0] for case in REFUSED}
+    assert set(WEIGHT_TRANSFERS) <= named

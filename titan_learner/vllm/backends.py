@@ -1,0 +1,53 @@
+"""Which of vLLM's weight-transfer backends moves the learner's weights into an engine.
+
+`[rollout.vllm] weight_transfer`: "auto" picks by where the engine runs, the rest name a
+backend. ipc: CUDA IPC handles, for an engine on the trainer's own GPU (no copy leaves the
+device). nccl: a broadcast to engines on other GPUs or nodes. nccl_m2n: vLLM's resharding
+transfer from DTensor shards straight into the engine's tensor-parallel layout (rollout servers
+only). gloo: ours (titan_learner.vllm.gloo_engine), a broadcast over gloo through host memory:
+the one that works without a GPU, and on any engine as a fallback.
+"""
+
+from __future__ import annotations
+
+WEIGHT_TRANSFERS = ("auto", "ipc", "nccl", "nccl_m2n", "gloo")
+GPU_ONLY = {"ipc", "nccl", "nccl_m2n"}
+
+
+def resolve_weight_transfer(requested: str, *, engine_on_gpu: bool, colocated: bool) -> str:
+    """The backend to use, or ValueError naming why `requested` cannot serve this engine.
+
+    engine_on_gpu: the engine's workers run on CUDA devices. colocated: the engine shares the
+    trainer process's GPU (an in-process `vllm.LLM` on the rank's own device).
+    """
+    if requested not in WEIGHT_TRANSFERS:
+        raise ValueError(
+            f"weight_transfer {requested!r} is not a backend; allowed: "
+            + ", ".join(WEIGHT_TRANSFERS)
+        )
+    if requested == "auto":
+        if not engine_on_gpu:
+            return "gloo"
+        return "ipc" if colocated else "nccl"
+    if requested in GPU_ONLY and not engine_on_gpu:
+        raise ValueError(
+            f"weight_transfer {requested!r} moves weights between CUDA devices and this engine "
+            "runs on the CPU; allowed here: gloo (or auto)"
+        )
+    if requested == "ipc" and not colocated:
+        raise ValueError(
+            "weight_transfer 'ipc' shares CUDA memory with an engine on the trainer's own GPU "
+            "and this engine is elsewhere; allowed: nccl, gloo (or auto)"
+        )
+    if requested == "nccl" and colocated:
+        raise ValueError(
+            "weight_transfer 'nccl' needs the engine on another GPU than the trainer's (NCCL "
+            "allows one rank per device); allowed for a colocated engine: ipc, gloo (or auto)"
+        )
+    if requested == "nccl_m2n":
+        raise ValueError(
+            "weight_transfer 'nccl_m2n' reshards into rollout servers' tensor-parallel layout, "
+            "and this engine is an in-process vllm.LLM; allowed here: "
+            + ("ipc, gloo (or auto)" if colocated else "nccl, gloo (or auto)")
+        )
+    return requested
