@@ -18,6 +18,7 @@ from torchrl.objectives.llm import GRPOLoss
 
 from titan_learner.config.loss_values import AGGREGATIONS, LOSS_KEYS, UNREAD_KEYS
 from titan_learner.config.validate import LOSS_CLASSES, PROJECT_LOSS_KEYS, loss_class
+from titan_learner.learner.normalization import AGGREGATION_COUNTS
 
 NOT_CONFIGURABLE = {"self", "actor_network", "device", "kwargs"}
 
@@ -42,6 +43,11 @@ def test_literal_parameters_allow_what_torchrl_declares():
     assert set(literals) == {"masking_strategy", "ref_log_prob_padding_side"}
     for key, hint in literals.items():
         assert typing.get_args(LOSS_KEYS[key].kind) == typing.get_args(hint), key
+
+
+def test_the_normalization_knows_exactly_the_allowed_aggregations():
+    assert tuple(AGGREGATION_COUNTS) == AGGREGATIONS
+    assert typing.get_args(LOSS_KEYS["aggregation"].kind) == AGGREGATIONS
 
 
 def test_torchrl_trains_an_unknown_aggregation_as_token_mean():
