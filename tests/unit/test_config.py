@@ -171,6 +171,42 @@ BAD_CONFIGS = {
         [],
         exact("[loss] clip_epsilon: dapo takes an asymmetric clip_epsilon = [low, high], got 0.2"),
     ),
+    "loss_aggregation_typo": (
+        '[loss]\naggregation = "prompt-mean"\n',
+        [],
+        exact(
+            "[loss] aggregation: 'prompt-mean' is not allowed; allowed: 'token_mean', "
+            "'prompt_mean' (did you mean 'prompt_mean'?)"
+        ),
+    ),
+    "loss_clip_epsilon_triple": (
+        "[loss]\nclip_epsilon = [0.1, 0.2, 0.3]\n",
+        [],
+        exact(
+            "[loss] clip_epsilon: expected a number or an array of 2 numbers, got [0.1, 0.2, 0.3]"
+        ),
+    ),
+    "loss_clip_epsilon_zero_high": (
+        '[loss]\nname = "dapo"\nclip_epsilon = [0.2, 0.0]\n',
+        [],
+        exact(
+            "[loss] clip_epsilon: [0.2, 0.0] is out of range; allowed: 0 < clip_epsilon < 1, or "
+            "[low, high] with 0 <= low < 1 and high > 0 (finite numbers)"
+        ),
+    ),
+    "loss_mc_samples_zero": (
+        "[loss]\nsamples_mc_entropy = 0\n",
+        [],
+        exact("[loss] samples_mc_entropy: 0 is out of range; allowed: >= 1"),
+    ),
+    "loss_unread_clip_value": (
+        "[loss]\nclip_value = 0.5\n",
+        [],
+        exact(
+            "[loss] clip_value: TorchRL's GRPO-family losses take clip_value but never read it; "
+            "allowed: leave it out"
+        ),
+    ),
     "compile_tp_and_ac": (
         '[parallelism]\ntp = 2\n[compile]\nenable = true\n[activation_checkpoint]\nmode = "full"\n',
         [],

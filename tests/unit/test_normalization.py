@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from tests.support.models import batches, tiny_config, with_ref_log_probs
-from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, REF_LOG_PROBS_KEY
+from titan_learner.config.loss_values import AGGREGATIONS
+from titan_learner.learner.batch import (
+    ASSISTANT_MASK_KEY,
+    LOG_PROBS_KEY,
+    REF_LOG_PROBS_KEY,
+    TOKENS_KEY,
+)
 from titan_learner.learner.local import LocalLearner
 from titan_learner.learner.normalization import micro_batch_counts, step_counts
 
@@ -68,6 +74,82 @@ def test_accumulated_step_equals_the_whole_batch(name, cut):
     for key in expected.keys():
         if key.startswith("loss") or key == "grad_norm":
             assert float(got[key]) == pytest.approx(float(expected[key]), abs=TOL), key
+
+
+def by_hand_loss(one: LocalLearner, batch, aggregation: str) -> torch.Tensor:
+    """GRPO's loss written out: per trained token, -min(r A, clip(r, 0.8, 1.2) A) minus 0.01
+    times the entropy (r = pi / mu); token_mean: their sum over the count of trained tokens;
+    prompt_mean: the mean over rows of each row's token mean."""
+    dist = one.policy.get_dist(batch, mask_key=ASSISTANT_MASK_KEY)
+    mask = batch.get(ASSISTANT_MASK_KEY)
+    current = torch.where(mask, dist.log_prob(batch.get(TOKENS_KEY)), 0.0)
+    ratio = (current - torch.where(mask, batch.get(LOG_PROBS_KEY), 0.0)).exp()
+    advantage = batch.get("advantage").reshape(-1, 1)
+    objective = -torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
+    per_token = torch.where(mask, objective - 0.01 * torch.where(mask, dist.entropy(), 0.0), 0.0)
+    if aggregation == "token_mean":
+        return per_token.sum() / mask.sum()
+    return (per_token.sum(1) / mask.sum(1)).mean()
+
+
+def gradients_at_the_step(one: LocalLearner) -> dict[str, torch.Tensor]:
+    """Filled with the gradients the optimizer steps with (no clipping), at its step."""
+    grads: dict[str, torch.Tensor] = {}
+    step = one.optimizer.step
+
+    def record(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in one.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    one.optimizer.step = record
+    return grads
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_each_allowed_aggregation_is_exact_across_micro_batches(aggregation):
+    """Three micro-batches of 9, 46 and 1 trained tokens (2, 5 and 1 rows): the step's loss
+    and gradients are the formula over the whole step, not the mean of the micro-batches'."""
+    batch = varied_batch({})
+    micros = [batch[:2], batch[2:7], batch[7:]]
+    assert [int(micro_batch_counts(m)["tokens"]) for m in micros] == [9, 46, 1]
+    split = learner({"aggregation": aggregation}, accumulate=3)
+    loss = by_hand_loss(split, batch, aggregation)
+    loss.backward()
+    expected = float(loss.detach())
+    expected_grads = {n: p.grad.clone() for n, p in split.model.named_parameters()}
+    split.model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        mean_of_means = float(sum(by_hand_loss(split, m, aggregation) for m in micros) / 3)
+    assert abs(mean_of_means - expected) > 0.1 * abs(expected)
+    grads = gradients_at_the_step(split)
+    counts = step_counts(micros)
+    for micro in micros:
+        metrics = split.update(micro, step_counts=counts)
+    got = float(metrics["loss_objective"]) + float(metrics["loss_entropy"])
+    assert got == pytest.approx(expected, abs=TOL)
+    assert set(grads) == set(expected_grads)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-7, rtol=1e-4, msg=name)
+
+
+def test_an_aggregation_the_normalization_does_not_know_is_refused():
+    """No default weighting for a mode a future TorchRL (or a user's edit) adds: an error, at
+    construction when the loss module is given, and at the update when it changed since."""
+    message = (
+        "GRPOLoss.aggregation = 'seq-mean-token-sum' has no normalization across micro-batches "
+        "and ranks; allowed: 'token_mean', 'prompt_mean'"
+    )
+    one = learner({})
+    one.loss_module.aggregation = "seq-mean-token-sum"
+    with pytest.raises(ValueError) as err:
+        LocalLearner(tiny_config(), loss_module=one.loss_module)
+    assert str(err.value) == message
+    before = one.get_weights(dtype=F32)
+    with pytest.raises(ValueError) as err:
+        one.update(varied_batch({}))
+    assert str(err.value) == message
+    after = one.get_weights(dtype=F32)
+    assert all(torch.equal(before[k], after[k]) for k in before.keys())
 
 
 def test_without_step_counts_each_micro_batch_is_normalized_alone():

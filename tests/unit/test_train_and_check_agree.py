@@ -15,6 +15,53 @@ TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
 BAD = {
     "unknown key": (["parallelism.tpp=2"], "[parallelism]: unknown key 'tpp' (did you mean 'tp'?)"),
     "loss keyword": (["loss.clip_eps=0.2"], "[loss]: unknown key 'clip_eps' for loss 'grpo'"),
+    "aggregation with a hyphen": (
+        ['loss.aggregation="token-mean"'],
+        "[loss] aggregation: 'token-mean' is not allowed; allowed: 'token_mean', 'prompt_mean' "
+        "(did you mean 'token_mean'?)",
+    ),
+    "verl's aggregation name": (
+        ['loss.aggregation="seq-mean-token-sum"'],
+        "[loss] aggregation: 'seq-mean-token-sum' is not allowed; allowed: 'token_mean', "
+        "'prompt_mean'\n",
+    ),
+    "per-token aggregation": (
+        ['loss.aggregation="none"'],
+        "[loss] aggregation: 'none' is not allowed; allowed: 'token_mean', 'prompt_mean'; "
+        "TorchRL's 'none' leaves a loss per token, not the scalar the learner trains",
+    ),
+    "summed reduction": (
+        ['loss.reduction="sum"'],
+        "[loss] reduction: 'sum' is not allowed; allowed: 'mean'; TorchRL's GRPO-family losses "
+        "ignore 'sum' and take means",
+    ),
+    "masking strategy typo": (
+        ['loss.masking_strategy="rlfh"'],
+        "[loss] masking_strategy: 'rlfh' is not allowed; allowed: 'sft', 'rlhf', 'generic' "
+        "(did you mean 'rlhf'?)",
+    ),
+    "clip_epsilon low of 1": (
+        ["loss.clip_epsilon=[1.0, 0.28]"],
+        "[loss] clip_epsilon: [1.0, 0.28] is out of range; allowed: 0 < clip_epsilon < 1, or "
+        "[low, high] with 0 <= low < 1 and high > 0 (finite numbers)",
+    ),
+    "negative entropy coefficient": (
+        ["loss.entropy_coeff=-0.01"],
+        "[loss] entropy_coeff: -0.01 is out of range; allowed: >= 0",
+    ),
+    "KL coefficient nan": (
+        ["loss.kl_to_ref_coeff=nan"],
+        "[loss] kl_to_ref_coeff: nan is not a finite number; allowed: a finite number",
+    ),
+    "entropy bonus not a boolean": (
+        ['loss.entropy_bonus="yes"'],
+        "[loss] entropy_bonus: expected true or false, got 'yes'",
+    ),
+    "unread gamma": (
+        ["loss.gamma=0.99"],
+        "[loss] gamma: TorchRL's GRPO-family losses take gamma but never read it; allowed: "
+        "leave it out",
+    ),
     "lr nan": (["optimizer.lr=nan"], "[optimizer] lr: nan is not a finite number"),
     "group of one": (["rollout.group_size=1"], "[rollout] group_size: 1 is out of range"),
     "no prompts": (["data.train_files=[]"], "[data] train_files: none given"),

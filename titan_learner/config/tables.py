@@ -155,13 +155,21 @@ def build_dataclass(cls: type, data: dict[str, Any], *, path: tuple[str, ...], s
                 source=source,
                 where=describe_table(path),
             )
-    kwargs = {}
-    for name, value in data.items():
-        sub = (*path, name)
-        converted = _convert(value, hints[name], sub, source)
-        _check_range(converted, fields[name].metadata, describe_location(sub), source)
-        kwargs[name] = converted
+    kwargs = {
+        name: check_value(value, hints[name], fields[name].metadata, (*path, name), source)
+        for name, value in data.items()
+    }
     return cls(**kwargs)
+
+
+def check_value(
+    value: Any, tp: Any, limits: typing.Mapping[str, Any], path: tuple[str, ...], source: str
+) -> Any:
+    """One value checked as a dataclass field is (type hint, then `min`/`max`/`not` limits),
+    converted; also for keys that are no field ([loss]: `titan_learner.config.loss_values`)."""
+    converted = _convert(value, tp, path, source)
+    _check_range(converted, limits, describe_location(path), source)
+    return converted
 
 
 def as_plain_dict(obj: Any) -> Any:

@@ -16,18 +16,17 @@ answer `validate` checked is the one the run gets.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from titan_learner.config.errors import ConfigError, did_you_mean
+from titan_learner.config.loss_values import LOSS_KEYS, UNREAD_KEYS, check_loss_value
 from titan_learner.config.schema import Config, LossSection
 
 # The TorchRL loss class behind each [loss] name, imported only when one is built or checked.
 LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss"}
-_NOT_CONFIGURABLE = {"actor_network", "device", "self", "kwargs", "args"}
 PROJECT_LOSS_KEYS = ("tis_cap",)
 """[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.losses)."""
 T = TypeVar("T")
@@ -141,31 +140,22 @@ def loss_class(name: str) -> type:
 
 
 def check_loss_kwargs(section: LossSection, source: str) -> None:
-    """Reject keyword arguments the chosen TorchRL loss does not take."""
+    """Reject keyword arguments the chosen TorchRL loss does not take, and values outside what
+    it implements (`titan_learner.config.loss_values`). A parameter a TorchRL upgrade adds is
+    unknown here until the table describes its values."""
     if section.kwargs:
-        allowed = [
-            p
-            for p in inspect.signature(loss_class(section.name).__init__).parameters
-            if p not in _NOT_CONFIGURABLE
-        ] + list(PROJECT_LOSS_KEYS)
-        for key in section.kwargs:
-            if key not in allowed:
+        takes = inspect.signature(loss_class(section.name).__init__).parameters
+        allowed = [key for key in LOSS_KEYS if key in takes or key in PROJECT_LOSS_KEYS]
+        unread = [key for key in UNREAD_KEYS if key in takes]
+        for key, value in section.kwargs.items():
+            if key not in allowed and key not in unread:
                 raise ConfigError(
                     f"unknown key '{key}' for loss '{section.name}'{did_you_mean(key, allowed)}; "
                     f"allowed keys: name, {', '.join(sorted(allowed))}",
                     source=source,
                     where="[loss]",
                 )
-    cap = section.kwargs.get("tis_cap")
-    if cap is not None and (
-        isinstance(cap, bool) or not isinstance(cap, int | float) or not 1.0 <= cap < math.inf
-    ):
-        raise ConfigError(
-            f"tis_cap must be a number >= 1 (the largest importance weight a token keeps), "
-            f"got {cap!r}",
-            source=source,
-            where="[loss] tis_cap",
-        )
+            check_loss_value(key, value, source)
     eps = section.kwargs.get("clip_epsilon")
     if section.name == "dapo" and not isinstance(eps, list | tuple) and eps is not None:
         raise ConfigError(

@@ -41,6 +41,7 @@ from titan_learner.learner.normalization import (
     MetricTerms,
     StepNormalization,
     WindowMetrics,
+    aggregation_kind,
     counts_of,
     metric_terms,
     micro_batch_counts,
@@ -113,6 +114,7 @@ class Learner:
         reject_unsynchronized_loss_parameters(
             self.loss_module, model, capabilities.data_parallel_size
         )
+        aggregation_kind(self.loss_module)  # one the step's normalization knows, before compute
         # The chunked pass computes entropy only for a loss that uses it.
         self.policy.compute_entropy = bool(getattr(self.loss_module, "entropy_bonus", True))
         self.capabilities = capabilities

@@ -9,10 +9,12 @@ each micro-batch's term is scaled before backward by
     scale = data_parallel_size * accumulation_steps * (its count) / (the step's count)
 
 where the counts are the term's own: trained tokens (`token_mean`, and the KL terms), rows
-(`prompt_mean`), or one per micro-batch (a loss whose normalization is unknown: the old mean of
-means). FSDP averages gradients over data-parallel ranks and the stepper divides by the
-accumulation steps, so the gradients sum to those of the global mean: one optimizer step equals
-the one-process step on the concatenated batch.
+(`prompt_mean`), or one per micro-batch (a loss module of the user's own that declares no
+`aggregation`: the mean of means). An aggregation not in `AGGREGATION_COUNTS` is refused: any
+weighting picked for it would train another objective without a word. FSDP averages gradients
+over data-parallel ranks and the stepper divides by the accumulation steps, so the gradients
+sum to those of the global mean: one optimizer step equals the one-process step on the
+concatenated batch.
 
 The step's count must be known before its first backward. `update(micro, step_counts=...)` is
 given the rank's counts of its whole step (`step_counts(micro_batches)`); the learner sums them
@@ -38,6 +40,9 @@ from titan_learner.learner.losses import TokenMeanKL
 TOKENS, ROWS, CALLS = "tokens", "rows", "calls"
 KINDS = (TOKENS, ROWS, CALLS)
 KL_TERMS = ("loss_kl_to_ref", "loss_kl_to_inference")
+AGGREGATION_COUNTS = {"token_mean": TOKENS, "prompt_mean": ROWS}
+"""The count each aggregation's terms are means over: exactly [loss] aggregation's allowed
+values (`titan_learner.config.loss_values.AGGREGATIONS`)."""
 MAX_SUFFIX = "_max"  # a diagnostic reported as its largest value, not a weighted mean
 
 
@@ -72,8 +77,23 @@ def term_kind(loss_module: nn.Module, key: str) -> str:
         return TOKENS
     if key in KL_TERMS:
         return TOKENS if isinstance(loss_module, TokenMeanKL) else CALLS
-    aggregation = getattr(loss_module, "aggregation", None)
-    return {"token_mean": TOKENS, "prompt_mean": ROWS}.get(aggregation, CALLS)
+    return aggregation_kind(loss_module)
+
+
+def aggregation_kind(loss_module: nn.Module) -> str:
+    """The count the loss module's terms are means over, from its `aggregation`; per call
+    for a module that declares none. Raises for an aggregation the learner does not know."""
+    if not hasattr(loss_module, "aggregation"):
+        return CALLS
+    aggregation = loss_module.aggregation
+    kind = AGGREGATION_COUNTS.get(aggregation) if isinstance(aggregation, str) else None
+    if kind is None:
+        allowed = ", ".join(repr(name) for name in AGGREGATION_COUNTS)
+        raise ValueError(
+            f"{type(loss_module).__name__}.aggregation = {aggregation!r} has no normalization "
+            f"across micro-batches and ranks; allowed: {allowed}"
+        )
+    return kind
 
 
 def check_counts(counts: Mapping[str, float]) -> dict[str, float]:

@@ -1,0 +1,100 @@
+"""The values each [loss] key may take: one table, checked before any compute.
+
+TorchRL 0.14.1's GRPO-family losses (GRPOLoss, DAPO, CISPOLoss) check few of their keyword
+arguments: an `aggregation` they do not know trains `token_mean`, `reduction = "sum"` is
+ignored (the terms are means), and `gamma` and `clip_value` are taken and never read. A name
+from another library (verl's "seq-mean-token-sum", "token-mean" with a hyphen) would then train
+another objective without a word. So every [loss] key, TorchRL's and this project's own, is
+described here as a schema field is (a type hint and limits, `config.tables`), and a value
+outside it is refused with the values allowed. The learner's normalization across
+micro-batches and ranks (`titan_learner.learner.normalization`) implements exactly the
+aggregations listed; tests hold the table to TorchRL's signature and behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.tables import check_value
+
+
+@dataclass(frozen=True)
+class LossKey:
+    """What one [loss] key accepts: a type hint and limits as a schema field's, and the
+    values TorchRL takes that the learner refuses, each with the reason."""
+
+    kind: Any
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+
+AGGREGATIONS = ("token_mean", "prompt_mean")
+"""`aggregation`: a mean over the step's trained tokens, or over its rows of their tokens' mean."""
+MASKING_STRATEGIES = ("sft", "rlhf", "generic")
+PADDING_SIDES = ("left", "right")
+COEFFICIENT = LossKey(float, {"min": 0})
+NOT_A_SCALAR = "TorchRL's 'none' leaves a loss per token, not the scalar the learner trains"
+
+LOSS_KEYS: dict[str, LossKey] = {
+    "clip_epsilon": LossKey(float | tuple[float, float]),  # its ranges: check_clip_epsilon
+    "kl_mask_threshold": LossKey(float, {"min": 0}),
+    "aggregation": LossKey(Literal[AGGREGATIONS], refused={"none": NOT_A_SCALAR}),
+    "entropy_bonus": LossKey(bool),
+    "samples_mc_entropy": LossKey(int, {"min": 1}),
+    "entropy_coeff": COEFFICIENT,
+    "reduction": LossKey(
+        Literal["mean"],
+        refused={
+            "none": NOT_A_SCALAR,
+            "sum": "TorchRL's GRPO-family losses ignore 'sum' and take means",
+        },
+    ),
+    "kl_to_ref_coeff": COEFFICIENT,
+    "kl_to_inference_coeff": COEFFICIENT,
+    "masking_strategy": LossKey(Literal[MASKING_STRATEGIES]),
+    "ref_log_prob_padding_side": LossKey(Literal[PADDING_SIDES]),
+    "ref_log_prob_padding_value": LossKey(float),
+    "tis_cap": LossKey(float, {"min": 1}),  # this project's (titan_learner.learner.losses)
+}
+UNREAD_KEYS = ("gamma", "clip_value")
+"""Keyword arguments TorchRL's GRPO-family losses take and never read (no value function)."""
+CLIP_EPSILON_ALLOWED = (
+    "0 < clip_epsilon < 1, or [low, high] with 0 <= low < 1 and high > 0 (finite numbers)"
+)
+
+
+def check_loss_value(key: str, value: Any, source: str) -> None:
+    """`value` of [loss] `key` (a key the loss takes) within what the loss implements."""
+    where = f"[loss] {key}"
+    if key in UNREAD_KEYS:
+        raise ConfigError(
+            f"TorchRL's GRPO-family losses take {key} but never read it; allowed: leave it out",
+            source=source,
+            where=where,
+        )
+    rule = LOSS_KEYS[key]
+    try:
+        converted = check_value(value, rule.kind, rule.limits, ("loss", key), source)
+    except ConfigError as err:
+        why = rule.refused.get(value) if isinstance(value, str) else None
+        if why is None:
+            raise
+        raise ConfigError(f"{err.detail}; {why}", source=source, where=where) from None
+    if key == "clip_epsilon":
+        check_clip_epsilon(converted, value, source)
+
+
+def check_clip_epsilon(bounds: float | tuple[float, float], value: Any, source: str) -> None:
+    """A number x clips the ratio to [1 - x, 1 + x]; [low, high] to [1 - low, 1 + high]."""
+    low, high = bounds if isinstance(bounds, tuple) else (bounds, bounds)
+    finite = math.isfinite(low) and math.isfinite(high)
+    if not (finite and 0 <= low < 1 and high > 0):
+        raise ConfigError(
+            f"{value!r} is out of range; allowed: {CLIP_EPSILON_ALLOWED}",
+            source=source,
+            where="[loss] clip_epsilon",
+        )
