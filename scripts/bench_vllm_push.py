@@ -13,7 +13,10 @@ takes, 64 on CPU) started from the learner's own export, and `push_weights` (flo
           manifest, checked there; finish: vLLM's in-place reload_weights)
   sink    VLLMEngineSink on the same engine: the same transfer behind a sink that stages and
           checks the export against its manifest (xxh3) on the trainer side first
-Prints the best of --repeats for each and its ratio to hf.
+  server  GeneratorSink(ServerGenerator) with --server URL (a `titan-learner serve` of the same
+          config): the same transfer over HTTP to a server, between a pause and a resume
+Prints the best of --repeats for each and its ratio to hf, then for the engine (and server) the
+time from the end of an update to the first token sampled under it.
 """
 
 from __future__ import annotations
@@ -45,10 +48,28 @@ def best_push(learner, make_sink, repeats: int) -> float:
     return min(times)
 
 
+def first_token_after_push(learner, generator, repeats: int) -> float:
+    """After each push: the time until one token is sampled under the new weights."""
+    times = []
+    for _ in range(repeats):
+        push_weights(learner, GeneratorSink(generator), BUCKET, dtype=torch.float32)
+        start = time.perf_counter()
+        generator.generate([[1, 2, 3]], 1, 1, 1.0, torch.Generator().manual_seed(0))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def server_generator(url: str, spec):
+    from titan_learner.vllm.server_generator import ServerGenerator
+
+    return ServerGenerator([url], spec, eos_id=0, pad_id=0, dtype=torch.float32, sender=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_config_arguments(parser, default="configs/debug.toml")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--server", default=None, help="a running server of the same config")
     args = parser.parse_args()
     config = config_from_arguments(args)
     from titan_learner.rollout.vllm import VLLMGenerator
@@ -75,6 +96,11 @@ def main() -> int:
                 "hf": best_push(learner, lambda: GeneratorSink(embedded), args.repeats),
                 "vllm": best_push(learner, lambda: GeneratorSink(engine), args.repeats),
             }
+            latency = {"vllm": first_token_after_push(learner, engine, args.repeats)}
+            if args.server:
+                server = server_generator(args.server, spec)
+                results["server"] = best_push(learner, lambda: GeneratorSink(server), args.repeats)
+                latency["server"] = first_token_after_push(learner, server, args.repeats)
             sink = VLLMEngineSink(engine.llm)  # last: it takes over the engine's transfer
             results["sink"] = best_push(learner, lambda: sink, args.repeats)
         finally:
@@ -82,9 +108,11 @@ def main() -> int:
     print(f"model: {model_bytes / 2**20:.0f} MiB float32, best of {args.repeats}")
     for name, seconds in results.items():
         print(
-            f"{name:5s} {seconds * 1e3:8.1f} ms  {model_bytes / seconds / 2**30:6.2f} GiB/s  "
+            f"{name:6s} {seconds * 1e3:8.1f} ms  {model_bytes / seconds / 2**30:6.2f} GiB/s  "
             f"ratio {name}/hf: {seconds / results['hf']:.2f}"
         )
+    for name, seconds in latency.items():
+        print(f"{name:6s} first token after an update: {seconds * 1e3:.1f} ms")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The one command line: `titan-learner {train,check,export}` (also `python -m titan_learner`).
+"""The one command line: `titan-learner {train,check,export,serve}` (also `python -m titan_learner`).
 
 Every user error (config, checkpoint, export) ends in one `error: ...` line on stderr and exit
 code 2; `--help` on each subcommand says what it takes.
@@ -101,12 +101,17 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     export.add_argument(
         "--step", type=int, default=None, help="step to export (default: the latest)"
     )
+    from titan_learner.cli.serve import add_serve_parser
+
+    add_serve_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None, prog: str = "titan-learner") -> int:
     args = build_parser(prog).parse_args(argv)
-    command = {"train": _train, "check": _check, "export": _export}[args.command]
+    from titan_learner.cli.serve import serve
+
+    command = {"train": _train, "check": _check, "export": _export, "serve": serve}[args.command]
     return command(args)
 
 
@@ -116,13 +121,15 @@ def console() -> None:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    """What `train` reports as one line and exit 2: bad config, data, rewards, checkpoint."""
+    """What `train` reports as one line and exit 2: bad config, data, rewards, checkpoint, a
+    rollout server that is down or refuses."""
     from titan_learner.checkpoint.errors import CheckpointError
     from titan_learner.data.errors import DataError
     from titan_learner.rewards.loading import RewardLoadError
     from titan_learner.rewards.runner import RewardError
+    from titan_learner.vllm.server_client import ServerError
 
-    return (ConfigError, DataError, RewardError, RewardLoadError, CheckpointError)
+    return (ConfigError, DataError, RewardError, RewardLoadError, CheckpointError, ServerError)
 
 
 def _error(err: Exception) -> int:

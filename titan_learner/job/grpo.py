@@ -82,25 +82,55 @@ def sampling_rng(
 
 def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
     from titan_learner.dtypes import DTYPES
-    from titan_learner.job.checks import longest_sequence
-    from titan_learner.job.vllm_checks import engine_model_path
     from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.hf import HFGenerator
-    from titan_learner.rollout.vllm import VLLMGenerator
 
     ids = {"eos_id": tokenizer.eos_ids, "pad_id": tokenizer.pad_id}
     if config.rollout.generator == "vllm":
-        # the KV cache is sized for what the job asks, not for the model's longest context
-        engine = {"max_model_len": longest_sequence(config)}
-        return VLLMGenerator(
-            engine_model_path(config),
-            dtype=DTYPES[config.learner.export_dtype],
-            seed=config.run.seed,
-            device=learner.device,
-            **ids,
-            **(engine | config.rollout.vllm),
-        )
+        dtype = DTYPES[config.learner.export_dtype]
+        if config.rollout.vllm.get("servers"):
+            return build_server_generator(config, hf_config(learner.spec), dtype, ids)
+        return build_engine_generator(config, learner, dtype, ids)
     return HFGenerator(hf_config(learner.spec), device=learner.device, **ids)
+
+
+def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dict):
+    """Each rank's own in-process vLLM engine, on the rank's device."""
+    from titan_learner.job.checks import longest_sequence
+    from titan_learner.job.vllm_checks import engine_model_path
+    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.serve import OWN_KEYS
+
+    # the KV cache is sized for what the job asks, not for the model's longest context
+    engine = {"max_model_len": longest_sequence(config)} | {
+        key: value for key, value in config.rollout.vllm.items() if key not in OWN_KEYS
+    }
+    return VLLMGenerator(
+        engine_model_path(config),
+        dtype=dtype,
+        seed=config.run.seed,
+        device=learner.device,
+        weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
+        **ids,
+        **engine,
+    )
+
+
+def build_server_generator(config: Config, hf_model_config, dtype: torch.dtype, ids: dict):
+    """The [rollout.vllm] servers, shared by every rank; rank 0 pushes the weights."""
+    from titan_learner.ranks import rank
+    from titan_learner.vllm.serve import server_token
+    from titan_learner.vllm.server_generator import ServerGenerator
+
+    return ServerGenerator(
+        config.rollout.vllm["servers"],
+        hf_model_config,
+        dtype=dtype,
+        sender=rank() == 0,
+        weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
+        token=server_token(config),
+        **ids,
+    )
 
 
 def sync_generator(learner, generator) -> None:

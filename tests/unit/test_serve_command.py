@@ -1,0 +1,126 @@
+"""`titan-learner serve` (the command line of a rollout server for a run) and the trainer's view
+of a server that is not there: one line each, no server started. The servers themselves run in
+tests/integration/test_rollout_servers.py."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_learner.config.toml import load_config
+from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
+from titan_learner.vllm.serve import server_command
+
+TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
+SERVERS = 'rollout.vllm.servers=["http://127.0.0.1:8001", "http://127.0.0.1:8002"]'
+
+
+def toy(*extra: str):
+    overrides = ['rollout.generator="vllm"', 'rollout.model_path="engine"', *extra]
+    return load_config(str(TOY), overrides=overrides)
+
+
+def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "titan_learner", "serve", "--config", str(TOY)]
+    sets = ["--set", 'rollout.generator="vllm"', "--set", 'rollout.model_path="engine"']
+    return subprocess.run(
+        [*command, *sets, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_the_server_command_carries_what_the_job_needs(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    config = toy("rollout.vllm.enforce_eager=true", "rollout.vllm.max_num_seqs=64", SERVERS)
+    argv, env = server_command(config, host="127.0.0.1", port=8123, on_gpu=False, python="py")
+    flags = " ".join(argv)
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    for expected in (
+        "--model engine",
+        "--host 127.0.0.1 --port 8123",
+        "--dtype float32",  # the toy's [learner] export_dtype
+        "--seed 0",
+        "--max-model-len 24",  # the job's longest sequence: 16 prompt + 8 new tokens
+        "--skip-tokenizer-init",
+        "--logprobs-mode raw_logprobs",
+        "--enable-scale-out",
+        "--enforce-eager",
+        "--max-num-seqs 64",
+    ):
+        assert expected in flags, expected
+    assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "gloo"})
+    assert "servers" not in flags and "--middleware" not in argv, "no token: no guard"
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def test_a_token_installs_the_guard_and_never_reaches_the_command_line(monkeypatch, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    config = toy(f'rollout.vllm.token_file="{token_file}"')
+    argv, env = server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")
+    assert argv[argv.index("--middleware") + 1] == MIDDLEWARE
+    assert env[TOKEN_ENV] == "s3cret" and "s3cret" not in " ".join(argv)
+    assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl"})
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")[1][
+        TOKEN_ENV
+    ] == ("from-env")
+
+
+def test_serving_beyond_loopback_without_a_token_is_refused(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    done = serve("--host", "0.0.0.0")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"error: {TOY}: --host: serving on 0.0.0.0 without a bearer token would let anyone who "
+        "reaches the port pause the server or load their own weights into it; allowed: set "
+        "TITAN_LEARNER_SERVER_TOKEN or [rollout.vllm] token_file, or serve on 127.0.0.1\n"
+    )
+
+
+def test_dry_run_prints_a_command_a_shell_runs_as_is():
+    done = serve("--port", "8123", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    argv = shlex.split(done.stdout)
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
+
+
+@pytest.mark.parametrize(
+    ("servers", "message"),
+    [
+        ("[]", "[] is not a list of server URLs"),
+        ('["127.0.0.1:8000"]', "['127.0.0.1:8000'] is not a list of server URLs"),
+        ('["http://a:1", "http://a:1"]', "a server is listed twice; allowed: each server once"),
+    ],
+)
+def test_bad_server_lists_are_one_line(servers, message):
+    from titan_learner.config.errors import ConfigError
+    from titan_learner.config.validate import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(toy(f"rollout.vllm.servers={servers}"), world_size=1, on_this_machine=False)
+    assert f"[rollout.vllm] servers: {message}" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_server_that_is_not_there_is_one_line_after_bounded_retries():
+    from titan_learner.vllm.server_client import CONNECT_RETRIES, ServerClient, ServerError
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(ServerError) as info:
+        ServerClient(url, timeout_s=5).health()
+    assert str(info.value) == (
+        f"rollout server {url} is unreachable (GET /health, {CONNECT_RETRIES} tries): "
+        "ConnectionError"
+    )
+    with pytest.raises(ServerError, match=r"unreachable \(POST /start_weight_update, 1 tries\)"):
+        ServerClient(url, timeout_s=5).start_weight_update()  # not repeated: not idempotent

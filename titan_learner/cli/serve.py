@@ -1,0 +1,58 @@
+"""`titan-learner serve`: start one rollout server for a run (titan_learner.vllm.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+
+def add_serve_parser(commands) -> None:
+    from titan_learner.cli import add_config_arguments
+
+    serve = commands.add_parser(
+        "serve",
+        help="start a vLLM rollout server for a config's model ([rollout.vllm] servers)",
+        description="Start a vLLM server that the job's [rollout.vllm] servers can use.",
+    )
+    add_config_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--gpus",
+        default=None,
+        help="CUDA devices for the server, e.g. 4,5,6,7 (default: what this process sees)",
+    )
+    serve.add_argument(
+        "--dry-run", action="store_true", help="print the server's command line and exit"
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    from titan_learner.cli import _error
+    from titan_learner.config.errors import ConfigError
+    from titan_learner.config.toml import load_config
+    from titan_learner.vllm.serve import server_command
+
+    try:
+        config = load_config(args.config, args.overrides)
+        on_gpu = args.gpus is not None or _sees_a_gpu()
+        argv, env = server_command(
+            config, host=args.host, port=args.port, on_gpu=on_gpu, python=sys.executable
+        )
+    except ConfigError as err:
+        return _error(err)
+    if args.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = args.gpus
+    if args.dry_run:
+        print(shlex.join(argv))
+        return 0
+    sys.stdout.flush()
+    os.execvpe(argv[0], argv, {**os.environ, **env})  # the server takes this process over
+
+
+def _sees_a_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

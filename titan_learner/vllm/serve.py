@@ -1,0 +1,121 @@
+"""The command that starts a rollout server for a run: `titan-learner serve --config X.toml`.
+
+It runs vLLM's own OpenAI-compatible server (`vllm.entrypoints.openai.api_server`, the `vllm
+serve` entry point) with what the job needs and nothing else to remember: the model the learner
+starts from (`[rollout] model_path` or `[model] hf_checkpoint`), the export dtype, the run's
+seed, a context as long as the job's longest sequence, token ids in and out (no tokenizer),
+raw log-probs, the weight-transfer backend, vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`), the
+[rollout.vllm] engine arguments as flags, and our bearer-token guard on every route but /health.
+It binds 127.0.0.1 unless told otherwise; beyond loopback it refuses to start without a token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from titan_learner.config.errors import ConfigError
+from titan_learner.config.schema import Config
+from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
+from titan_learner.vllm.backends import resolve_weight_transfer
+
+OWN_KEYS = frozenset({"weight_transfer", "servers", "token_file"})
+"""[rollout.vllm] keys that are ours: how weights travel, which servers, where the token is."""
+LOOPBACK = ("127.", "localhost", "::1")
+
+
+def server_token(config: Config) -> str | None:
+    """The servers' bearer token: $TITAN_LEARNER_SERVER_TOKEN, else the file [rollout.vllm]
+    token_file names (never the TOML text itself: config.toml copies would carry it)."""
+    if token := os.environ.get(TOKEN_ENV):
+        return token
+    path = config.rollout.vllm.get("token_file")
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot read the server token from {path}: {err.strerror}",
+            source=config.source,
+            where="[rollout.vllm] token_file",
+        ) from None
+    if not token:
+        raise ConfigError(
+            f"{path} is empty; allowed: a file holding the servers' bearer token",
+            source=config.source,
+            where="[rollout.vllm] token_file",
+        )
+    return token
+
+
+def engine_flags(engine: dict[str, Any]) -> list[str]:
+    """[rollout.vllm] engine arguments as vLLM command-line flags."""
+    flags = []
+    for key, value in engine.items():
+        if key in OWN_KEYS:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    return flags
+
+
+def server_command(
+    config: Config, *, host: str, port: int, on_gpu: bool, python: str
+) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and the variables to add to its environment."""
+    from titan_learner.job.checks import longest_sequence
+    from titan_learner.job.vllm_checks import engine_model_path
+
+    where = "[rollout.vllm] weight_transfer"
+    try:
+        backend = resolve_weight_transfer(
+            config.rollout.vllm.get("weight_transfer", "auto"),
+            engine_on_gpu=on_gpu,
+            colocated=False,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err), source=config.source, where=where) from None
+    token = server_token(config)
+    if token is None and not host.startswith(LOOPBACK):
+        raise ConfigError(
+            f"serving on {host} without a bearer token would let anyone who reaches the port "
+            f"pause the server or load their own weights into it; allowed: set {TOKEN_ENV} or "
+            "[rollout.vllm] token_file, or serve on 127.0.0.1",
+            source=config.source,
+            where="--host",
+        )
+    model = engine_model_path(config)
+    if model is None:
+        raise ConfigError(
+            "a server needs the HF directory the learner starts from; allowed: [rollout] "
+            "model_path or [model] hf_checkpoint",
+            source=config.source,
+            where="[rollout] model_path",
+        )
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", config.learner.export_dtype,
+        "--seed", str(config.run.seed),
+        "--max-model-len", str(config.rollout.vllm.get("max_model_len", longest_sequence(config))),
+        "--skip-tokenizer-init",
+        "--logprobs-mode", "raw_logprobs",
+        "--enable-scale-out",  # token-in/token-out: /inference/v1/generate
+        "--weight-transfer-config", json.dumps({"backend": backend}),
+    ]  # fmt: skip
+    argv += engine_flags({k: v for k, v in config.rollout.vllm.items() if k != "max_model_len"})
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if token is not None:
+        argv += ["--middleware", MIDDLEWARE]
+        env[TOKEN_ENV] = token
+    return argv, env

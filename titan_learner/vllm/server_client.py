@@ -1,0 +1,132 @@
+"""One `vllm serve` server, as the trainer talks to it over HTTP.
+
+vLLM's four weight-sync calls (so a `ServerClient` is a `VLLMWeightSyncClient` that trainer
+engines drive), pause/resume around an update, the version it serves, and token-in/token-out
+generation: prompt ids in; sampled ids, their log-probs and the weight version that sampled
+them out, never text (no retokenization). Every request carries the bearer token when one is set
+(`TITAN_LEARNER_SERVER_TOKEN`). A server that cannot be reached, or answers an error, is one
+`ServerError` naming it, the route and its answer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from titan_learner.vllm.auth import TOKEN_ENV
+
+DEFAULT_TIMEOUT_S = 300.0
+CONNECT_RETRIES = 3
+"""Tries for a call that is safe to repeat (reads, generation, pause and resume) when the
+server cannot be connected to; a server that stays down is then one ServerError."""
+
+
+class ServerError(RuntimeError):
+    """A rollout server that is down, unreachable or refused a request."""
+
+
+class ServerClient:
+    def __init__(
+        self, url: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _call(self, method: str, route: str, *, retry: bool = True, **kwargs: Any) -> Any:
+        import requests
+
+        for attempt in range(1, CONNECT_RETRIES + 1):
+            try:
+                answer = requests.request(
+                    method,
+                    f"{self.url}/{route}",
+                    headers=self._headers,
+                    timeout=self.timeout_s,
+                    **kwargs,
+                )
+                break
+            except requests.ConnectionError as err:
+                if retry and attempt < CONNECT_RETRIES:
+                    time.sleep(attempt)
+                    continue
+                raise ServerError(
+                    f"rollout server {self.url} is unreachable ({method} /{route}, "
+                    f"{attempt} tries): {type(err).__name__}"
+                ) from None
+            except requests.RequestException as err:
+                raise ServerError(
+                    f"rollout server {self.url} did not answer {method} /{route}: "
+                    f"{type(err).__name__}: {err}"
+                ) from None
+        if answer.status_code >= 400:
+            raise ServerError(
+                f"rollout server {self.url} answered {method} /{route} with "
+                f"{answer.status_code}: {answer.text[:500]}"
+            )
+        return answer.json() if answer.content else None
+
+    # vLLM's weight-sync control plane (VLLMWeightSyncClient)
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call(
+            "POST", "init_weight_transfer_engine", retry=False, json={"init_info": init_info}
+        )
+
+    def start_weight_update(self) -> None:
+        self._call("POST", "start_weight_update", retry=False)
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("POST", "update_weights", retry=False, json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self._call("POST", "finish_weight_update", retry=False, json=body)
+
+    # around an update
+    def pause(self) -> None:
+        """Freeze the queue (requests in flight and arriving wait, none is lost) for a swap."""
+        self._call("POST", "pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self._call("POST", "resume")
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "reset_prefix_cache")
+
+    def weight_version(self) -> str | None:
+        return self._call("GET", "weight_info")["weight_version"]
+
+    def workers(self) -> int:
+        """How many inference workers join a weight transfer (tensor x pipeline x data)."""
+        return int(self._call("GET", "get_world_size")["world_size"])
+
+    def health(self) -> None:
+        self._call("GET", "health")
+
+    def generate(
+        self, token_ids: list[int], sampling: dict[str, Any]
+    ) -> list[tuple[list[int], list[float], set[str]]]:
+        """One token-in/token-out request (vLLM's /inference/v1/generate, `--enable-scale-out`):
+        per sample, in index order, its token ids, their log-probs and the weight versions that
+        sampled them (vLLM labels every output token with the version it was sampled under)."""
+        answer = self._call(
+            "POST",
+            "inference/v1/generate",
+            json={"token_ids": token_ids, "sampling_params": sampling, "output_mode": "tokens"},
+        )
+        samples = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            ids = [int(t) for t in choice["token_ids"]]
+            log_probs = [
+                float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []
+            ]
+            if len(log_probs) != len(ids):
+                raise ServerError(
+                    f"rollout server {self.url} returned {len(log_probs)} log-probs for "
+                    f"{len(ids)} sampled tokens"
+                )
+            versions = {span["version"] for span in choice.get("weight_versions") or []}
+            samples.append((ids, log_probs, versions))
+        return samples

@@ -1,0 +1,186 @@
+"""`ServerGenerator`: the `Generator` contract on running `vllm serve` servers.
+
+Rollouts are token-in/token-out: each prompt's ids go to one server as one completions request
+for its G samples (they share the prompt's prefix cache there), prompts spread round-robin over
+the servers and sent concurrently (vLLM batches what arrives together); the sampled ids and
+their raw (temperature-1) log-probs come back, never text.
+
+Weights: trainer rank 0 pushes every update to all servers at once through vLLM's RL API (one
+group: gloo on CPU, nccl on GPUs), between a pause (in-flight requests finish first) and a
+resume; the servers then report the new version. Other trainer ranks send nothing: they wait
+until every server reports the version before they sample, so no rank samples from weights
+older than the ones it was handed, and no collective is needed (the call may come from a
+rollout thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from titan_learner.rollout.base import (
+    Rollout,
+    _check_special_ids,
+    check_generate_args,
+    eos_id_set,
+    rollout_from_lists,
+)
+from titan_learner.rollout.vllm import check_vllm_sampling, request_seeds
+from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.server_client import ServerClient, ServerError
+from titan_learner.vllm.server_group import ServerGroup
+from titan_learner.weights.matching import match_named_tensors
+
+MAX_CONCURRENT_REQUESTS = 64
+VERSION_POLL_S = 0.05
+
+
+class ServerGenerator:
+    """`urls`: the servers (`titan-learner serve` starts one). `config`: the transformers config
+    of the model they serve (names and shapes each update is checked against). `sender`: this
+    trainer process pushes the weights (rank 0); the others wait for the servers' version."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        config: Any,
+        *,
+        eos_id: int | Sequence[int],
+        pad_id: int,
+        dtype: torch.dtype,
+        sender: bool,
+        weight_transfer: str = "auto",
+        token: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        from titan_learner.model.hf_config import hf_parameter_shapes
+
+        _check_special_ids(eos_id, pad_id, config.vocab_size)
+        self.eos_ids = eos_id_set(eos_id)
+        self.pad_id = pad_id
+        self.vocab_size = config.vocab_size
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.servers = [ServerClient(url, token=token, timeout_s=timeout_s) for url in urls]
+        for server in self.servers:
+            server.health()
+        self.group = ServerGroup(self.servers)
+        self._shapes, self._required = hf_parameter_shapes(config)
+        self.weight_transfer = resolve_weight_transfer(
+            weight_transfer, engine_on_gpu=torch.cuda.is_available(), colocated=False
+        )
+        self._transfer = None
+        if sender:
+            from titan_learner.vllm.transfer import EngineWeightTransfer
+
+            self._transfer = EngineWeightTransfer(
+                self.group, self.weight_transfer, self.group.total_workers
+            )
+        self.weights_version = 0
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self._transfer is None:
+            self._wait_for_version(version)
+            self.weights_version = int(version)
+            return
+        incoming = match_named_tensors(
+            named_tensors,
+            self._shapes,
+            required=self._required,
+            rejected="load_weights rejected the weights, nothing was sent",
+        )
+        self.group.pause()
+        try:
+            self._transfer.send(
+                [(n, t.detach().to(self.dtype)) for n, t in incoming.items()], version
+            )
+            self.group.reset_prefix_cache()  # cached KV was computed with the old weights
+        finally:
+            self.group.resume()
+        self.weights_version = int(version)
+
+    def _wait_for_version(self, version: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for server in self.servers:
+            while server.weight_version() != str(version):
+                if time.monotonic() > deadline:
+                    raise ServerError(
+                        f"rollout server {server.url} still serves version "
+                        f"{server.weight_version()} after {self.timeout_s:g} s, expected "
+                        f"{version} (pushed by trainer rank 0)"
+                    )
+                time.sleep(VERSION_POLL_S)
+
+    def close(self) -> None:
+        if self._transfer is not None:
+            self._transfer.close()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> Rollout:
+        check_generate_args(
+            prompts, group_size, max_new_tokens, temperature, self.vocab_size, generator
+        )
+        check_vllm_sampling(group_size, temperature)
+        seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device)
+        seeds = request_seeds(int(seed), len(prompts), group_size)
+        first = int(seed) % len(self.servers)  # spread each rank's first prompt differently
+
+        def sample(i: int) -> list[tuple[list[int], list[float], set[str]]]:
+            server = self.servers[(first + i) % len(self.servers)]
+            samples = server.generate(
+                [int(t) for t in prompts[i]],
+                {
+                    "n": group_size,
+                    "max_tokens": max_new_tokens,
+                    "temperature": temperature,
+                    "seed": seeds[i],
+                    "logprobs": 0,
+                    "stop_token_ids": list(self.eos_ids),
+                    "ignore_eos": True,  # stop at our EOS ids only
+                    "detokenize": False,
+                },
+            )
+            if len(samples) != group_size:
+                raise ServerError(
+                    f"rollout server {server.url} returned {len(samples)} samples, asked for "
+                    f"{group_size}"
+                )
+            return samples
+
+        workers = min(len(prompts), MAX_CONCURRENT_REQUESTS)
+        with ThreadPoolExecutor(workers) as pool:
+            samples = [
+                s for per_prompt in pool.map(sample, range(len(prompts))) for s in per_prompt
+            ]
+        return rollout_from_lists(
+            prompts,
+            group_size,
+            [ids for ids, _, _ in samples],
+            [log_probs for _, log_probs, _ in samples],
+            self.eos_ids,
+            self.pad_id,
+            sampled_version(samples, self.weights_version),
+        )
+
+
+def sampled_version(samples: list[tuple[list[int], list[float], set[str]]], pushed: int) -> int:
+    """The one weight version every sampled token came from, as the servers labelled them; a
+    rollout that spans versions, or another version than the last pushed, is refused (its
+    behaviour log-probs would not be the ones the job believes)."""
+    versions = set().union(*(v for _, _, v in samples))
+    if versions != {str(pushed)}:
+        raise ServerError(
+            f"the rollout was sampled under weight versions {sorted(versions)}, expected only "
+            f"{pushed} (the version pushed last)"
+        )
+    return pushed

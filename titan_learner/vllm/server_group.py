@@ -1,0 +1,58 @@
+"""Several `vllm serve` servers as one weight-transfer client: one broadcast reaches them all.
+
+vLLM's trainer engines drive one client; `ServerGroup` is that client for a list of servers. A
+backend that builds one group (gloo, nccl) numbers the workers after the trainer's rank 0, so
+each server's `rank_offset` is 1 + the workers of the servers before it. Each call goes to every
+server at once: their workers meet the trainer inside the same collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from titan_learner.vllm.server_client import ServerClient
+
+
+class ServerGroup:
+    def __init__(self, servers: Sequence[ServerClient]) -> None:
+        if not servers:
+            raise ValueError("a server group needs at least one server")
+        self.servers = list(servers)
+        self.workers = [server.workers() for server in self.servers]
+
+    @property
+    def total_workers(self) -> int:
+        return sum(self.workers)
+
+    def _on_every_server(self, call: Callable[[ServerClient, int], Any]) -> None:
+        """Call every server concurrently; the first failure is raised once all returned."""
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            running = [pool.submit(call, s, i) for i, s in enumerate(self.servers)]
+            for done in running:
+                done.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        offsets = [1 + sum(self.workers[:i]) for i in range(len(self.servers))]
+        self._on_every_server(
+            lambda s, i: s.init_weight_transfer_engine({**init_info, "rank_offset": offsets[i]})
+        )
+
+    def start_weight_update(self) -> None:
+        self._on_every_server(lambda s, _: s.start_weight_update())
+
+    def update_weights(self, update_info: Any) -> None:
+        self._on_every_server(lambda s, _: s.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._on_every_server(lambda s, _: s.finish_weight_update(weight_version))
+
+    def pause(self) -> None:
+        self._on_every_server(lambda s, _: s.pause())
+
+    def resume(self) -> None:
+        self._on_every_server(lambda s, _: s.resume())
+
+    def reset_prefix_cache(self) -> None:
+        self._on_every_server(lambda s, _: s.reset_prefix_cache())
