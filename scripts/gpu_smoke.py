@@ -7,6 +7,9 @@ numbers and exiting non-zero when the check fails (never "skipped" with exit 0).
     python scripts/gpu_smoke.py shared [--device D]  # shared prompts on D against the CPU's rows
     python scripts/gpu_smoke.py job DIR [--device D] [--steps N] [--off-policy-steps K]
                                                     # the toy job, metrics checked
+    python scripts/gpu_smoke.py vllm [--device D] [--transfer T]
+                                                    # weights into a vLLM engine on D through
+                                                    # vLLM's RL API (auto: ipc on a GPU)
 
 --device cpu rehearses parity, chunked and job on a machine without a GPU (the numbers then say
 nothing about CUDA); the smoke itself always passes cuda.
@@ -60,14 +63,14 @@ def env() -> int:
     )
 
 
-def tiny_config(device: str, **learner):
+def tiny_config(device: str, n_heads: int = 4, **learner):
     from titan_learner.config.toml import config_from_dict
 
     overrides = {
         "vocab_size": 512,
         "dim": 128,
         "n_layers": 2,
-        "n_heads": 4,
+        "n_heads": n_heads,  # 2 for a vLLM engine: its CPU attention takes head_dim 64, not 32
         "n_kv_heads": 2,
         "hidden_dim": 256,
         "max_seq_len": 64,
@@ -95,14 +98,14 @@ def batches(steps: int, grouped: bool = False):
     return [synthetic_batch(8, 48, 512, generator, varied=True) for _ in range(steps)]
 
 
-def trained(device: str, steps: int = 3, grouped: bool = False, **learner):
+def trained(device: str, steps: int = 3, grouped: bool = False, n_heads: int = 4, **learner):
     import torch
 
     from titan_learner.learner.local import LocalLearner
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = LocalLearner(tiny_config(device, **learner))
+    model = LocalLearner(tiny_config(device, n_heads, **learner))
     losses = []
     for batch in batches(steps, grouped):
         metrics = model.update(batch.to(model.device))
@@ -200,13 +203,79 @@ def job(directory: str, device: str, steps: int, off_policy_steps: int = 0) -> i
     )
 
 
+def vllm_transfer(device: str, transfer: str) -> int:
+    """A colocated vLLM engine on `device` takes a trained learner's weights through backend
+    `transfer` and then serves what transformers computes with them (greedy tokens equal,
+    log-probs within TOLERANCE in fp32)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from titan_learner.learner.local import LocalLearner
+    from titan_learner.model.hf_config import hf_config
+    from titan_learner.rollout.hf import HFGenerator
+    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.weights.sinks import GeneratorSink, SafetensorsDirSink, push_weights
+
+    start = time.perf_counter()
+    learner, _ = trained(device, n_heads=2)
+    spec = hf_config(learner.spec)
+    f32 = torch.float32
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch) / "model"
+        push_weights(
+            LocalLearner(tiny_config(device, n_heads=2)),
+            SafetensorsDirSink(directory, spec),
+            1 << 20,
+        )
+        engine = VLLMGenerator(
+            str(directory),
+            eos_id=0,
+            pad_id=0,
+            dtype=f32,
+            device=torch.device(device),
+            weight_transfer=transfer,
+            enforce_eager=True,
+            max_model_len=64,
+            gpu_memory_utilization=0.3,
+        )
+        try:
+            pushed = time.perf_counter()
+            push_weights(learner, GeneratorSink(engine), 1 << 20, dtype=f32, cpu_offload=False)
+            push_s = time.perf_counter() - pushed
+            prompts = [[5, 6, 7], [8, 9, 10, 11]]
+            rng = torch.Generator(device=device).manual_seed(0)
+            served = engine.generate(prompts, 1, 8, 0.0, rng)
+        finally:
+            engine.close()
+    reference = HFGenerator(spec, eos_id=0, pad_id=0, device=torch.device(device))
+    reference.load_weights(learner.get_weights(dtype=f32).items(), version=learner.policy_version)
+    expected = reference.generate(prompts, 1, 8, 0.0, torch.Generator(device=device).manual_seed(0))
+    same_tokens = torch.equal(served.completion_tokens.cpu(), expected.completion_tokens.cpu())
+    real = served.completion_tokens.cpu() != 0
+    difference = (served.completion_log_probs.cpu() - expected.completion_log_probs.cpu())[real]
+    worst = difference.abs().max().item() if real.any() else float("nan")
+    return report(
+        "vllm",
+        same_tokens and worst <= TOLERANCE,
+        device=device,
+        weight_transfer=engine.weight_transfer,
+        same_greedy_tokens=same_tokens,
+        logprob_diff_max=worst,
+        push_s=round(push_s, 4),
+        seconds=round(time.perf_counter() - start, 1),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=["env", "parity", "chunked", "shared", "job"])
+    parser.add_argument("check", choices=["env", "parity", "chunked", "shared", "job", "vllm"])
     parser.add_argument("directory", nargs="?", default="outputs/gpu_smoke/toy")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--off-policy-steps", type=int, default=0, help="job: max_off_policy_steps")
+    parser.add_argument("--transfer", default="auto", help="vllm: [rollout.vllm] weight_transfer")
     args = parser.parse_args()
     if args.check == "env":
         return env()
@@ -216,6 +285,8 @@ def main() -> int:
         return report(args.check, False, error="no CUDA device")
     if args.check == "job":
         return job(args.directory, args.device, args.steps, args.off_policy_steps)
+    if args.check == "vllm":
+        return vllm_transfer(args.device, args.transfer)
     return {"parity": parity, "chunked": chunked, "shared": shared}[args.check](args.device)
 
 

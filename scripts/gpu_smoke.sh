@@ -20,6 +20,9 @@
 #   job_k1   the same one step off-policy: the log-prob mismatch on every step, tokens/s
 #            against job's (the measurement the GPU configs' k = 1 default waits for)
 #   chunked  chunked log-probs against dense ones, on CUDA
+#   vllm_ipc, vllm_gloo  where `import vllm` works: a colocated engine takes a trained learner's
+#            weights through vLLM's RL API (ipc, then our gloo backend) and serves what
+#            transformers computes; where it does not, one line says these did not run
 # Numbers go to $OUT/gpu_smoke.jsonl (OUT: the lent machine's output folder; else
 # outputs/gpu_smoke), each check's log beside it.
 set -uo pipefail
@@ -83,6 +86,12 @@ check job 150 "$PYTHON" scripts/gpu_smoke.py job "$OUT_DIR/toy" --steps 20
 check job_k1 100 "$PYTHON" scripts/gpu_smoke.py job "$OUT_DIR/toy_k1" --steps 20 --off-policy-steps 1
 check chunked 60 "$PYTHON" scripts/gpu_smoke.py chunked
 check shared 60 "$PYTHON" scripts/gpu_smoke.py shared
+if "$PYTHON" -c "import vllm" 2>/dev/null; then
+    check vllm_ipc 150 "$PYTHON" scripts/gpu_smoke.py vllm --transfer ipc
+    check vllm_gloo 150 "$PYTHON" scripts/gpu_smoke.py vllm --transfer gloo
+else
+    echo "=== gpu_smoke: vllm_ipc, vllm_gloo did not run: vllm does not import here ==="
+fi
 
 if ((${#failed[@]})); then
     echo "gpu_smoke: ${#failed[@]} check(s) failed: ${failed[*]} (${SECONDS}s); numbers in $RESULTS"
