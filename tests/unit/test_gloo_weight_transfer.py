@@ -170,10 +170,56 @@ def test_worker_ranks_follow_the_trainer_across_data_parallel_replicas():
     from titan_learner.vllm.gloo_engine import worker_rank
     from titan_learner.vllm.gloo_wire import GlooInitInfo
 
-    info = GlooInitInfo(master_address="127.0.0.1", master_port=1, world_size=9)
+    info = GlooInitInfo(master_address="127.0.0.1", master_port=1, world_size=9, secret="s")
     ranks = [
         worker_rank(info, SimpleNamespace(data_parallel_index=d, world_size=4, rank=r))
         for d in range(2)
         for r in range(4)
     ]
     assert ranks == list(range(1, 9))
+
+
+def test_a_peer_without_the_rendezvous_secret_cannot_join_the_broadcast(trained):
+    """An intruder reaches the trainer's store port (it learned the address, not the secret
+    that travelled on the guarded control route) and asks for a worker's rank: it finds no
+    group under its prefix and times out, while the real workers join and receive."""
+    from titan_learner.vllm.gloo_engine import join_group
+    from titan_learner.vllm.transfer import EngineWeightTransfer
+
+    attempts: list[BaseException | None] = []
+
+    class WithIntruder(EveryWorker):
+        def init_weight_transfer_engine(self, init_info: dict) -> None:
+            def intrude() -> None:
+                try:
+                    join_group(
+                        init_info["master_address"],
+                        init_info["master_port"],
+                        "not-the-secret",
+                        1,
+                        init_info["world_size"],
+                        3.0,
+                    )
+                    attempts.append(None)
+                except Exception as err:
+                    attempts.append(err)
+
+            with ThreadPoolExecutor(1) as pool:
+                intruding = pool.submit(intrude)
+                super().init_weight_transfer_engine(init_info)
+                intruding.result()
+
+    client = WithIntruder([worker_engine(trained, rank) for rank in range(WORKERS)])
+    sender = EngineWeightTransfer(client, "gloo", workers=WORKERS)
+    try:
+        assert len(attempts) == 1 and attempts[0] is not None, "the intruder joined a group"
+        sender.send(list(trained.get_weights(dtype=F32).items()), version=3)
+        assert client.versions == ["3"]
+        x = tokens()
+        with torch.no_grad():
+            for model in served(client):
+                torch.testing.assert_close(
+                    model(x).logits, learner_logits(trained, x), atol=1e-5, rtol=0
+                )
+    finally:
+        sender.close()

@@ -38,12 +38,13 @@ def worker_rank(init_info: GlooInitInfo, parallel_config: Any) -> int:
 
 
 def join_group(
-    address: str, port: int, rank: int, world_size: int, timeout_s: float
+    address: str, port: int, secret: str, rank: int, world_size: int, timeout_s: float
 ) -> dist.ProcessGroupGloo:
-    """A gloo group over the trainer's TCPStore, apart from any default process group."""
+    """A gloo group over the trainer's TCPStore under the rendezvous secret, apart from any
+    default process group."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(secret, store), rank, world_size, timeout)
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -65,6 +66,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = join_group(
             init_info.master_address,
             init_info.master_port,
+            init_info.secret,
             rank,
             init_info.world_size,
             init_info.timeout_s,

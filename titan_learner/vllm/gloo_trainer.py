@@ -11,6 +11,7 @@ collective the source runs (an FSDP gather).
 from __future__ import annotations
 
 import datetime
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -57,13 +58,15 @@ def open_group(init_info: GlooTrainerInitInfo, client: VLLMWeightSyncClient) -> 
         master_address=init_info.master_address,
         master_port=store.port,
         world_size=init_info.world_size,
+        secret=secrets.token_hex(16),
         timeout_s=init_info.timeout_s,
     )
+    group_store = dist.PrefixStore(worker_info.secret, store)
     built: dict[str, Any] = {}
 
     def build() -> None:  # blocks until every worker has joined
         try:
-            built["group"] = dist.ProcessGroupGloo(store, 0, init_info.world_size, timeout)
+            built["group"] = dist.ProcessGroupGloo(group_store, 0, init_info.world_size, timeout)
         except BaseException as err:
             built["error"] = err
 
