@@ -124,3 +124,25 @@ def test_a_server_that_is_not_there_is_one_line_after_bounded_retries():
     )
     with pytest.raises(ServerError, match=r"unreachable \(POST /start_weight_update, 1 tries\)"):
         ServerClient(url, timeout_s=5).start_weight_update()  # not repeated: not idempotent
+
+
+def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    sets = [
+        'rollout.generator="vllm"',
+        f'rollout.vllm.servers=["{url}"]',
+        f'run.output_dir="{tmp_path / "out"}"',
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_learner", "train", "--config", str(TOY)]
+        + [a for s in sets for a in ("--set", s)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: rollout server {url} is unreachable (GET /health, 3 tries): ConnectionError"
+    )

@@ -28,11 +28,12 @@ def engine_model_path(config: Config) -> str | None:
 
 
 def check_vllm_structure(config: Config) -> None:
-    """What the file alone decides: an engine model directory, and vLLM's sampling limits."""
+    """What the file alone decides: an engine model directory (the servers have theirs), the
+    servers, the weight transfer, and vLLM's sampling limits."""
     from titan_learner.rollout.vllm import check_vllm_sampling
 
     source = config.source
-    if engine_model_path(config) is None:
+    if engine_model_path(config) is None and not config.rollout.vllm.get("servers"):
         raise ConfigError(
             "the vllm generator needs an HF directory (config.json + safetensors) to start its "
             "engines from; allowed: [rollout] model_path or [model] hf_checkpoint",
