@@ -25,7 +25,7 @@ import requests
 import torch
 
 from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm
+from tests.support.vllm import ENGINE_SHAPE, needs_vllm, tamper_in_transit
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict, config_to_toml
 from titan_learner.job.grpo import run
@@ -208,8 +208,6 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
     from titan_learner.learner.local import LocalLearner
     from titan_learner.model.hf_config import hf_config
     from titan_learner.vllm.server_generator import ServerGenerator
-    from titan_learner.vllm.sources import NamedTensorSource
-    from titan_learner.weights.export import checksum_of
     from titan_learner.weights.matching import WeightsError
 
     root, urls, _, _ = job
@@ -234,17 +232,7 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
         return generator.generate(prompts, 1, 6, 0.0, torch.Generator().manual_seed(0))
 
     served = greedy()
-    trainer = generator._transfer.engine
-    broadcast = trainer._broadcast
-
-    def tampering(source, meta):
-        vouched = checksum_of(list(source))
-        altered = NamedTensorSource()
-        altered.fill([(n, t + 1e-3) for n, t in source], source.version)
-        broadcast(altered, meta)
-        return vouched
-
-    monkeypatch.setattr(trainer, "_broadcast", tampering)
+    tamper_in_transit(monkeypatch, generator._transfer.engine)
     with pytest.raises(WeightsError, match=r"refused export v11.*checksum mismatch"):
         generator.load_weights(weights, version=11)
     assert [served_version(url) for url in urls] == ["10", "10"]

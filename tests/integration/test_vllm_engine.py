@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.support.toy import EOS_ID, MAX_NEW, PAD_ID, VOCAB_SIZE, rewards_of, sample_prompts
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm
+from tests.support.vllm import ENGINE_SHAPE, needs_vllm, tamper_in_transit
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.advantage import group_advantages
 from titan_learner.learner.batch import (
@@ -184,25 +184,6 @@ def test_a_pushed_update_serves_what_transformers_computes(learner, engine):
     check_serves_the_learners_weights(learner, engine, GeneratorSink(engine))
 
 
-def tampered_in_transit(monkeypatch, engine) -> None:
-    """The next broadcast carries other bytes than the ones the trainer hashed and vouched for
-    in the manifest (what a peer on the data channel could do)."""
-    from titan_learner.vllm.sources import NamedTensorSource
-    from titan_learner.weights.export import checksum_of
-
-    trainer = engine._transfer.engine
-    broadcast = trainer._broadcast
-
-    def tampering(source, meta):
-        vouched = checksum_of(list(source))
-        altered = NamedTensorSource()
-        altered.fill([(n, t + 1e-3) for n, t in source], source.version)
-        broadcast(altered, meta)
-        return vouched
-
-    monkeypatch.setattr(trainer, "_broadcast", tampering)
-
-
 def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weights(
     learner, engine, monkeypatch
 ):
@@ -212,7 +193,7 @@ def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weight
     train(learner, steps=1, seed=40)
     weights = list(learner.get_weights(dtype=F32).items())
     with monkeypatch.context() as patch:
-        tampered_in_transit(patch, engine)
+        tamper_in_transit(patch, engine._transfer.engine)
         with pytest.raises(WeightsError, match=r"refused export v\d+.*checksum mismatch"):
             engine.load_weights(weights, version=learner.policy_version)
     wrong_shape = [(n, t[..., :1].contiguous()) for n, t in weights]

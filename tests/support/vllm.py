@@ -13,3 +13,21 @@ needs_vllm = pytest.mark.skipif(
     "TITAN_LEARNER_VLLM=0 skips it)",
 )
 ENGINE_SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "hidden_dim": 256}
+
+
+def tamper_in_transit(monkeypatch, trainer) -> None:
+    """The next broadcasts of a gloo trainer engine carry other bytes than the ones it hashed
+    and vouches for in the manifest (what a peer on the data channel could do)."""
+    from titan_learner.vllm.sources import NamedTensorSource
+    from titan_learner.weights.export import checksum_of
+
+    broadcast = trainer._broadcast
+
+    def tampering(source, meta):
+        vouched = checksum_of(list(source))
+        altered = NamedTensorSource()
+        altered.fill([(n, t + 1e-3) for n, t in source], source.version)
+        broadcast(altered, meta)
+        return vouched
+
+    monkeypatch.setattr(trainer, "_broadcast", tampering)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support.models import batches, hf_model, learner_logits, state, tiny_config, tokens
-from tests.support.vllm import needs_vllm
+from tests.support.vllm import needs_vllm, tamper_in_transit
 from titan_learner.learner.local import LocalLearner
 from titan_learner.model.hf_config import hf_config
 from titan_learner.weights.matching import WeightsError, copy_into_module
@@ -105,21 +105,9 @@ def test_every_worker_serves_the_learners_weights_and_version(trained, transfer)
 
 def test_bytes_altered_in_transit_are_refused_by_every_worker(trained, transfer, monkeypatch):
     """The manifest (on the control route) vouches for other bytes than the broadcast carried."""
-    from titan_learner.vllm.sources import NamedTensorSource
-    from titan_learner.weights.export import checksum_of
-
     sender, client = transfer
     before = [state(m) for m in served(client)]
-    broadcast = sender.engine._broadcast
-
-    def tampering(source, meta):
-        vouched = checksum_of(list(source))
-        altered = NamedTensorSource()
-        altered.fill([(n, t.clone().index_fill_(0, torch.tensor([0]), 0.5)) for n, t in source], 1)
-        broadcast(altered, meta)
-        return vouched
-
-    monkeypatch.setattr(sender.engine, "_broadcast", tampering)
+    tamper_in_transit(monkeypatch, sender.engine)
     with pytest.raises(WeightsError, match="refused export v1, it serves its previous weights"):
         sender.send(list(trained.get_weights(dtype=F32).items()), version=1)
     for model, previous in zip(served(client), before, strict=True):

@@ -49,6 +49,35 @@ def request_seeds(base_seed: int, n_prompts: int, group_size: int) -> list[int]:
     return [base_seed + i * group_size for i in range(n_prompts)]
 
 
+def request_sampling(
+    prompts: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    eos_ids: Sequence[int],
+    vocab_size: int,
+    generator: torch.Generator,
+) -> list[dict[str, Any]]:
+    """What every vLLM generator asks per prompt (vLLM `SamplingParams` fields, also its JSON):
+    the generate arguments and vLLM's limits checked first, one seed per request."""
+    check_generate_args(prompts, group_size, max_new_tokens, temperature, vocab_size, generator)
+    check_vllm_sampling(group_size, temperature)
+    seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device)
+    return [
+        {
+            "n": group_size,
+            "temperature": temperature,
+            "max_tokens": max_new_tokens,
+            "stop_token_ids": list(eos_ids),
+            "ignore_eos": True,  # stop at our EOS ids only, not the model config's as well
+            "logprobs": 0,
+            "seed": request_seed,
+            "detokenize": False,
+        }
+        for request_seed in request_seeds(int(seed), len(prompts), group_size)
+    ]
+
+
 def visible_gpu(device: torch.device, visible: str | None) -> str:
     """The CUDA_VISIBLE_DEVICES entry of `device` as this process sees it (its physical GPU)."""
     index = 0 if device.index is None else device.index
@@ -182,24 +211,16 @@ class VLLMGenerator:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        check_generate_args(
-            prompts, group_size, max_new_tokens, temperature, self.vocab_size, generator
+        sampling = request_sampling(
+            prompts,
+            group_size,
+            max_new_tokens,
+            temperature,
+            self.eos_ids,
+            self.vocab_size,
+            generator,
         )
-        check_vllm_sampling(group_size, temperature)
-        seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device)
-        params = [
-            SamplingParams(
-                n=group_size,
-                temperature=temperature,
-                max_tokens=max_new_tokens,
-                stop_token_ids=list(self.eos_ids),
-                ignore_eos=True,  # stop at our EOS ids only, not the model config's as well
-                logprobs=0,
-                seed=request_seed,
-                detokenize=False,
-            )
-            for request_seed in request_seeds(int(seed), len(prompts), group_size)
-        ]
+        params = [SamplingParams(**fields) for fields in sampling]
         requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions: list[list[int]] = []

@@ -22,14 +22,8 @@ from typing import Any
 
 import torch
 
-from titan_learner.rollout.base import (
-    Rollout,
-    _check_special_ids,
-    check_generate_args,
-    eos_id_set,
-    rollout_from_lists,
-)
-from titan_learner.rollout.vllm import check_vllm_sampling, request_seeds
+from titan_learner.rollout.base import Rollout, _check_special_ids, eos_id_set, rollout_from_lists
+from titan_learner.rollout.vllm import request_sampling
 from titan_learner.vllm.backends import resolve_weight_transfer
 from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup
@@ -127,29 +121,20 @@ class ServerGenerator:
         temperature: float,
         generator: torch.Generator,
     ) -> Rollout:
-        check_generate_args(
-            prompts, group_size, max_new_tokens, temperature, self.vocab_size, generator
+        sampling = request_sampling(
+            prompts,
+            group_size,
+            max_new_tokens,
+            temperature,
+            self.eos_ids,
+            self.vocab_size,
+            generator,
         )
-        check_vllm_sampling(group_size, temperature)
-        seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device)
-        seeds = request_seeds(int(seed), len(prompts), group_size)
-        first = int(seed) % len(self.servers)  # spread each rank's first prompt differently
+        first = sampling[0]["seed"] % len(self.servers)  # spread each rank's prompts differently
 
         def sample(i: int) -> list[tuple[list[int], list[float], set[str]]]:
             server = self.servers[(first + i) % len(self.servers)]
-            samples = server.generate(
-                [int(t) for t in prompts[i]],
-                {
-                    "n": group_size,
-                    "max_tokens": max_new_tokens,
-                    "temperature": temperature,
-                    "seed": seeds[i],
-                    "logprobs": 0,
-                    "stop_token_ids": list(self.eos_ids),
-                    "ignore_eos": True,  # stop at our EOS ids only
-                    "detokenize": False,
-                },
-            )
+            samples = server.generate([int(t) for t in prompts[i]], sampling[i])
             if len(samples) != group_size:
                 raise ServerError(
                     f"rollout server {server.url} returned {len(samples)} samples, asked for "
