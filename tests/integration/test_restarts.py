@@ -56,6 +56,7 @@ def test_killed_after_a_checkpoint_the_same_command_resumes_exactly(whole, tmp_p
     cut = tmp_path / "run"
     command = [*toy_job(cut, STEPS, 4), "--resume", "auto"]
     killed = kill_when(job(*command), lambda: committed_step(cut) >= 4, lambda: lock_holder(cut))
+    assert killed.returncode == -9
     assert 4 <= committed_step(cut) < STEPS and len(training_rows(cut)) < STEPS
     assert (cut / LOCK).exists(), "SIGKILL leaves the lock behind"
     resumed_from = committed_step(cut)
@@ -63,7 +64,7 @@ def test_killed_after_a_checkpoint_the_same_command_resumes_exactly(whole, tmp_p
     again = train(*command)
     assert again.returncode == 0, again.stderr
     assert (
-        f"taking over the lock of pid {killed} on {socket.gethostname()} (no longer running)"
+        f"taking over the lock of pid {killed.pid} on {socket.gethostname()} (no longer running)"
         in again.stdout
     )
     assert f"resumed from {cut / 'checkpoints' / f'step-{resumed_from}'}" in again.stdout
@@ -73,7 +74,10 @@ def test_killed_after_a_checkpoint_the_same_command_resumes_exactly(whole, tmp_p
 def test_killed_before_its_first_checkpoint_the_same_command_starts_over(whole, tmp_path):
     cut = tmp_path / "run"
     command = [*toy_job(cut, STEPS, 8), "--resume", "auto"]
-    kill_when(job(*command), lambda: len(training_rows(cut)) >= 1, lambda: lock_holder(cut))
+    killed = kill_when(
+        job(*command), lambda: len(training_rows(cut)) >= 1, lambda: lock_holder(cut)
+    )
+    assert killed.returncode == -9
     assert committed_step(cut) == 0 and training_rows(cut), "killed after a step, before a save"
 
     again = train(*command)

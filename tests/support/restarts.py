@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -52,8 +53,15 @@ def train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(job(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def kill_when(command: list[str], ready: Callable[[], bool], victim: Callable[[], int]) -> int:
-    """Start `command`, SIGKILL the pid `victim()` names once `ready()`; returns that pid.
+@dataclass(frozen=True)
+class Killed:
+    pid: int  # the process that was sent SIGKILL
+    returncode: int  # of the command: -9 when it was that process, torchrun's own otherwise
+    output: str  # stdout and stderr
+
+
+def kill_when(command: list[str], ready: Callable[[], bool], victim: Callable[[], int]) -> Killed:
+    """Run `command`; SIGKILL the pid `victim()` names once `ready()`, then wait for it to end.
 
     Fails if the job ends first (it would not have been killed mid-run).
     """
@@ -70,12 +78,12 @@ def kill_when(command: list[str], ready: Callable[[], bool], victim: Callable[[]
             time.sleep(0.01)
         pid = victim()
         os.kill(pid, signal.SIGKILL)
-        process.communicate(timeout=600)
+        output, _ = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-    return pid
+    return Killed(pid, process.returncode, output)
 
 
 def lock_holder(output_dir: Path) -> int:
