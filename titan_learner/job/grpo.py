@@ -1,4 +1,4 @@
-"""The GRPO job: `titan-learner train --config FILE [--set k=v ...] [--resume]`.
+"""The GRPO job: `titan-learner train --config FILE [--set k=v ...] [--resume [auto]]`.
 
 Each step: the loader's prompts -> G sampled completions per prompt (with behaviour log-probs)
 -> the configured rewards on the decoded completions -> group advantages -> `learner.update` ->
