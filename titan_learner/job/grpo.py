@@ -36,7 +36,7 @@ from titan_learner.job.collectives import (
     raise_everywhere,
     same_within_group,
 )
-from titan_learner.job.run_directory import Resume
+from titan_learner.job.run_directory import Resume, RunDirectory
 from titan_learner.job.scoring import score_rollout
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import Reward, build_rewards
@@ -278,19 +278,32 @@ def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list
     do). SIGTERM checkpoints and stops after the current step (job.preemption).
     """
     from titan_learner.allocator import keep_freed_memory
-    from titan_learner.config.errors import ConfigError
     from titan_learner.config.validate import device_type
-    from titan_learner.job.run_directory import AUTO, RunDirectory, elastic_restarts
+    from titan_learner.job.run_directory import AUTO, elastic_restarts
     from titan_learner.model.parallelize import init_process_group
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(config, world_size)
     keep_freed_memory()  # each step reuses the pages the last one touched
     init_process_group(device_type(config))  # so that ranks agree on the directory below
-    say = print if rank() == 0 else (lambda *args, **kwargs: None)
     if restarts := elastic_restarts():
         resume = AUTO
-        say(f"torchrun restart {restarts}: resuming as --resume {AUTO}", flush=True)
+        if rank() == 0:
+            print(f"torchrun restart {restarts}: resuming as --resume {AUTO}", flush=True)
+    directory = own_output_dir(config, resume, overwrite)
+    if directory is None:
+        return []
+    try:
+        return _run(config, bool(resume))
+    finally:
+        directory.release()
+
+
+def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirectory | None:
+    """Rank 0 takes `[run] output_dir` (job.run_directory) and every rank learns the outcome,
+    said in one line each: a lock taken over, a run moved aside. None: the run had finished."""
+    from titan_learner.config.errors import ConfigError
+
     directory = RunDirectory(config.run.output_dir, config.source, config.run.lock_stale_after_s)
     error, acquired = None, None
     if rank() == 0:
@@ -300,25 +313,22 @@ def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list
             error = err
     raise_everywhere(error)
     acquired = from_rank0(acquired)
+    lines = []
     if acquired.took_over is not None:
         holder = acquired.took_over
-        say(
-            f"taking over the lock of pid {holder.pid} on {holder.host} (no longer running)",
-            flush=True,
+        lines.append(
+            f"taking over the lock of pid {holder.pid} on {holder.host} (no longer running)"
         )
     if acquired.moved is not None:
-        say(f"moved the previous run in {config.run.output_dir} to {acquired.moved}", flush=True)
+        lines.append(f"moved the previous run in {config.run.output_dir} to {acquired.moved}")
     if acquired.finished is not None:
-        say(
+        lines.append(
             f"{config.run.output_dir} already finished its {acquired.finished} steps "
-            f"([run] steps = {config.run.steps}); nothing to do",
-            flush=True,
+            f"([run] steps = {config.run.steps}); nothing to do"
         )
-        return []
-    try:
-        return _run(config, bool(resume))
-    finally:
-        directory.release()
+    if rank() == 0 and lines:
+        print("\n".join(lines), flush=True)
+    return None if acquired.finished is not None else directory
 
 
 def _run(config: Config, resume: bool) -> list[dict[str, float]]:
