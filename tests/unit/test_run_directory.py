@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +103,22 @@ def test_a_reused_pid_is_not_mistaken_for_the_run(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_run_that_died_unreaped_is_gone(tmp_path):
+    """A zombie (exited, not yet waited for by its parent) keeps its pid but runs no more."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 60
+        while "\nState:\tZ" not in Path(f"/proc/{child.pid}/status").read_text():
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.05)
+        left = holder(tmp_path, child.pid, started=start_ticks(child.pid))
+        directory = RunDirectory(tmp_path, "run.toml")
+        assert acquire(directory, resume=True).took_over == left
+        directory.release()
+    finally:
+        child.wait()
 
 
 def test_a_lock_from_another_host_is_taken_over_once_its_heartbeat_is_stale(tmp_path):

@@ -40,17 +40,21 @@ HEARTBEAT_EVERY_S = 30.0
 Resume = bool | Literal["auto"]
 
 
-def start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, field 22 of /proc/PID/stat), or
-    None when no such process runs (a zombie has finished running)."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot): fields 3 and 22 of /proc/PID/stat, or
+    None when there is no entry to read (no such process, no procfs, or one that hides it)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
-    if fields[0] in ("Z", "X"):  # fields[0] is field 3, the state
-        return None
-    return int(fields[19])
+    return fields[0], int(fields[19])
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), or None when unknown."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def _pid_exists(pid: int) -> bool:
@@ -93,11 +97,14 @@ class Holder:
         return f"{self.pid} {self.host} {started} {self.heartbeat!r}\n"  # reads back equal
 
     def running(self) -> bool:
-        """On this host: the pid runs, and is the same process (its start time)."""
-        if not Path("/proc/self/stat").is_file():  # no procfs: the pid alone
+        """On this host: the pid runs (a zombie has finished), and is the same process (its
+        start time). Without a /proc entry to read (another OS, a procfs hiding other users'
+        processes) the pid alone decides, erring towards a live run."""
+        stat = _proc_stat(self.pid)
+        if stat is None:
             return _pid_exists(self.pid)
-        started = start_ticks(self.pid)
-        return started is not None and self.started in (None, started)
+        state, started = stat
+        return state not in ("Z", "X") and self.started in (None, started)
 
     def silent_for(self, lock: Path) -> float:
         """Seconds since its last heartbeat (the file's mtime when it recorded none)."""
