@@ -148,6 +148,17 @@ def test_the_running_job_refreshes_its_heartbeat(tmp_path):
     assert not (tmp_path / LOCK).exists()
 
 
+def test_a_run_whose_lock_was_taken_over_leaves_the_new_holders_lock(tmp_path):
+    """A run that stalled past lock_stale_after_s and lost its lock neither beats over nor
+    removes the lock of the run that took over."""
+    directory = RunDirectory(tmp_path, "run.toml", stale_after_s=0.3)
+    acquire(directory)
+    successor = holder(tmp_path, 4242, host="node-7", started=99, heartbeat=1.0)
+    time.sleep(0.5)  # several beats
+    directory.release()
+    assert Holder.read(tmp_path / LOCK) == successor
+
+
 def test_resume_auto_starts_fresh_or_resumes_or_does_nothing(tmp_path):
     empty = RunDirectory(tmp_path / "empty", "run.toml")
     assert acquire(empty, resume=AUTO) == Acquired()

@@ -17,13 +17,12 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -94,7 +93,7 @@ class Holder:
 
     def line(self) -> str:
         started = "-" if self.started is None else str(self.started)
-        return f"{self.pid} {self.host} {started} {self.heartbeat!r}\n"  # reads back equal
+        return f"{self.pid} {self.host} {started} {self.heartbeat!r}\n"
 
     def running(self) -> bool:
         """On this host: the pid runs (a zombie has finished), and is the same process (its
@@ -105,6 +104,10 @@ class Holder:
             return _pid_exists(self.pid)
         state, started = stat
         return state not in ("Z", "X") and self.started in (None, started)
+
+    def same_run(self, other: Holder | None) -> bool:
+        """Whether `other` names the same process, whatever its heartbeat."""
+        return other is not None and replace(other, heartbeat=self.heartbeat) == self
 
     def silent_for(self, lock: Path) -> float:
         """Seconds since its last heartbeat (the file's mtime when it recorded none)."""
@@ -256,10 +259,12 @@ class RunDirectory:
         every = min(HEARTBEAT_EVERY_S, self.stale_after_s / 3)
         while not self._stop.wait(every):
             held = self.held
-            if held is None or Holder.read(self.lock) != held:
+            if held is None or not held.same_run(Holder.read(self.lock)):
                 return
-            self.held = Holder(held.pid, held.host, held.started, time.time())
-            atomic_write_text(self.lock, self.held.line())
+            try:
+                atomic_write_text(self.lock, replace(held, heartbeat=time.time()).line())
+            except OSError:
+                continue  # a full disk or a network filesystem's hiccup: the next beat retries
 
     def release(self) -> None:
         if self._beating is not None:
@@ -267,10 +272,6 @@ class RunDirectory:
             self._beating.join()
             self._beating = None
         if self.held is not None:
-            if Holder.read(self.lock) == self.held:  # ours: not one that took over from us
-                try:
-                    self.lock.unlink()
-                except OSError as err:
-                    if err.errno != errno.ENOENT:
-                        raise
+            if self.held.same_run(Holder.read(self.lock)):  # not a run that took over from us
+                self.lock.unlink(missing_ok=True)
             self.held = None
