@@ -84,6 +84,7 @@ from titan_learner.learner.batch import (
     synthetic_batch,
 )
 from titan_learner.learner.local_shard_adam import torch_step
+from titan_learner.learner.normalization import step_counts
 from titan_learner.learner.titan import TitanLearner
 from titan_learner.model.spec import uses_flex_attention
 
@@ -170,9 +171,11 @@ def peak_memory_bytes(device: torch.device) -> float:
 def learner_step(learner: TitanLearner, window: list[TensorDict]) -> Callable[[], None]:
     """One optimizer step of the learner: update() on each micro-batch of the window."""
 
+    counts = step_counts(window)  # the step's mean over all its tokens, as the job takes it
+
     def step() -> None:
         for batch in window:
-            learner.update(batch)
+            learner.update(batch, step_counts=counts)
 
     return step
 

@@ -6,15 +6,30 @@ the launcher-level noise that a user cannot act on."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.restarts import (
+    committed_step,
+    kill_when,
+    lock_holder,
+    repeatable,
+    saved_state,
+    toy_job,
+    training_rows,
+)
+
 pytestmark = pytest.mark.slow
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
+
+
+def launcher(*options: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *options]
 
 
 def torchrun(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
@@ -26,8 +41,7 @@ def torchrun(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
         "data.eval_files=[]",
         *sets,
     ]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--standalone", "-m", "titan_learner", "train", "--config", str(TOY)]
+    command = launcher("--standalone", "-m", "titan_learner", "train", "--config", str(TOY))
     command += [a for o in overrides for a in ("--set", o)]
     return subprocess.run(command, capture_output=True, text=True, timeout=180)
 
@@ -51,3 +65,29 @@ def test_a_run_prints_no_launcher_noise(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in result.stdout + result.stderr
     assert "Triton is installed" not in result.stdout + result.stderr
+
+
+def test_a_worker_killed_mid_run_is_restarted_by_torchrun_and_the_run_ends_as_if_never_killed(
+    tmp_path,
+):
+    """`torchrun --max-restarts 1`: rank 0 SIGKILLed after the step-4 checkpoint; torchrun stops
+    rank 1 and restarts both with the same command, which resumes as --resume auto."""
+    steps = 12
+    job = [*toy_job(tmp_path / "whole", steps, 4), "--set", "parallelism.dp_shard=2"]
+    whole = subprocess.run(
+        launcher("--standalone", "-m", "titan_learner", *job), capture_output=True, text=True
+    )
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    cut = tmp_path / "cut"
+    job = [*toy_job(cut, steps, 4), "--set", "parallelism.dp_shard=2"]
+    command = launcher("--standalone", "--max-restarts", "1", "-m", "titan_learner", *job)
+    killed = kill_when(command, lambda: committed_step(cut) >= 4, lambda: lock_holder(cut))
+    assert killed.returncode == 0, killed.output
+    assert "torchrun restart 1: resuming as --resume auto" in killed.output
+    host = socket.gethostname()
+    assert (
+        f"taking over the lock of pid {killed.pid} on {host} (no longer running)" in killed.output
+    )
+    assert [row["step"] for row in training_rows(cut)] == list(range(1, steps + 1))
+    assert repeatable(cut) == repeatable(tmp_path / "whole")
+    assert saved_state(cut, steps) == saved_state(tmp_path / "whole", steps)

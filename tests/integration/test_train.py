@@ -168,6 +168,30 @@ def test_missing_config_exits_2_without_traceback():
     assert result.stderr == "error: configs/nope.toml: file not found\n"
 
 
+def test_resume_takes_auto_or_nothing(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--config", str(TOY), "--resume", "latest"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: argument --resume: 'latest' is not a resume mode; allowed: --resume alone or "
+        "--resume auto\n"
+    )
+
+
+def test_a_torchrun_restart_of_a_finished_run_does_nothing(tmp_path, capsys, monkeypatch):
+    """A restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) behaves as --resume auto,
+    without the flag: here the run had finished, so it is one line and exit 0."""
+    (tmp_path / "finished.json").write_text('{"step": 3}\n')
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    args = ["--config", str(TOY), "--set", "run.steps=3", "--set", f'run.output_dir="{tmp_path}"']
+    assert main(args) == 0
+    assert capsys.readouterr().out == (
+        "torchrun restart 1: resuming as --resume auto\n"
+        f"{tmp_path} already finished its 3 steps ([run] steps = 3); nothing to do\n"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["finished.json"]
+
+
 def first_prompt_per_step(output_dir: Path) -> dict[int, str]:
     """The first sampled prompt of every step (rank 0's slice starts the step's global list)."""
     firsts: dict[int, str] = {}

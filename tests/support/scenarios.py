@@ -30,7 +30,8 @@ def train_layout(
     accumulate=True feeds each rank's batch as two micro-batches with grad_accum_steps=2 (of
     unequal sizes, 1/4 and 3/4 of the rows, when varied); varied=True: rows train different
     numbers of tokens (`synthetic_batch(varied=True)`), and every micro-batch gets the
-    window's `step_counts`; grouped=True: rows in groups sharing a prompt, as rollouts are.
+    window's `step_counts` (otherwise its halves are normalized alone, per_microbatch_mean);
+    grouped=True: rows in groups sharing a prompt, as rollouts are.
     poisoned_step=i: rank 0's advantages are NaN at step i (a non-finite loss on one rank).
     """
     config = tiny_config(model, **sections)
@@ -45,8 +46,8 @@ def train_layout(
             cut = max(1, local.batch_size[0] // 4) if varied else local.batch_size[0] // 2
             micros = [local[:cut], local[cut:]]
             counts = step_counts(micros) if varied else None
-            for micro in micros:
-                out = learner.update(micro, step_counts=counts)
+            for micro in micros:  # equal halves: their own means make the step's mean
+                out = learner.update(micro, step_counts=counts, per_microbatch_mean=not varied)
             metrics.append(dict(out.items()))
         else:
             metrics.append(dict(learner.update(local).items()))

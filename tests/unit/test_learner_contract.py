@@ -15,6 +15,7 @@ from torchrl.trainers.trainers import DefaultOptimizationStepper
 from tests.support.models import GLOBAL_BATCH, SEQ_LEN, VOCAB, batches, tiny_config
 from titan_learner.learner.batch import BatchError
 from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.normalization import step_counts
 from titan_learner.learner.policy import TitanPolicy
 
 
@@ -126,8 +127,9 @@ def test_gradient_accumulation_over_halves_equals_one_full_batch(config):
     for batch in batches(2):
         reference = full.update(batch)
         half = GLOBAL_BATCH // 2
-        first = accumulated.update(batch[:half])
-        second = accumulated.update(batch[half:])
+        counts = step_counts([batch[:half], batch[half:]])
+        first = accumulated.update(batch[:half], step_counts=counts)
+        second = accumulated.update(batch[half:], step_counts=counts)
         assert "grad_norm" not in first.keys() and "lr" not in first.keys()
         assert float(second["grad_norm"]) == pytest.approx(float(reference["grad_norm"]), abs=1e-6)
     assert_same_weights(weights(accumulated), weights(full), atol=1e-6)
@@ -176,7 +178,8 @@ def test_an_uncloned_checkpoint_is_the_live_state(config):
 
 def test_loading_a_mid_window_checkpoint_restarts_the_window(config):
     learner = LocalLearner(tiny_config(learner={"grad_accum_steps": 2}))
-    learner.update(batches(1)[0][:4])
+    batch = batches(1)[0]
+    learner.update(batch[:4], step_counts=step_counts([batch[:4], batch[4:]]))
     state = learner.checkpoint()
     assert state["stepper"]["micro_step"] == 1
     with pytest.warns(UserWarning, match="window restarts"):

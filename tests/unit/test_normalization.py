@@ -155,12 +155,45 @@ def test_an_aggregation_the_normalization_does_not_know_is_refused():
 def test_without_step_counts_each_micro_batch_is_normalized_alone():
     """The documented fallback: one micro-batch's mean each, equally weighted (lr 1e-3 steps
     the parameters whose gradient sign flips by 2e-3 against the whole batch's step)."""
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_accumulation_without_step_counts_is_refused_before_any_compute(name):
+    """The silent trap: each micro-batch averaged over its own tokens trains another objective."""
+    loss = LOSSES[name]
+    split = learner(loss, accumulate=2)
+    before = split.get_weights(dtype=F32)
+    averaged = {
+        "prompt_mean": "aggregation prompt_mean",
+    }.get(name, "aggregation token_mean")
+    with pytest.raises(ValueError) as info:
+        split.update(varied_batch(loss)[:3])
+    assert str(info.value) == (
+        "update() without step_counts, with grad_accum_steps = 2 and a loss averaged over "
+        f"counts ({averaged}), would average each micro-batch over its own tokens, not the "
+        "step's; allowed: step_counts=step_counts(micro_batches) "
+        "(titan_learner.learner.normalization) on every micro-batch of the window, "
+        "[learner] max_tokens_per_microbatch, or per_microbatch_mean=True to train on "
+        "per-micro-batch means"
+    )
+    assert split.step == 0 and split.stepper.micro_step == 0
+    after = split.get_weights(dtype=F32)
+    assert all(torch.equal(before[k], after[k]) for k in before.keys())
+
+
+def test_per_microbatch_means_are_an_explicit_choice():
+    """The opt-in: one micro-batch's mean each, equally weighted (lr 1e-3 steps the parameters
+    whose gradient sign flips by 2e-3 against the whole batch's step); one micro-batch a
+    window needs neither step_counts nor the opt-in."""
     batch = varied_batch({})
     whole, split = learner({}), learner({}, accumulate=2)
     whole.update(batch)
     for micro in (batch[:3], batch[3:]):
-        split.update(micro)
+        split.update(micro, per_microbatch_mean=True)
     assert max_weight_difference(whole, split) > 1e-4
+    single = learner({})
+    single.update(batch)
+    assert max_weight_difference(whole, single) == 0.0
 
 
 def test_step_counts_must_describe_the_window():

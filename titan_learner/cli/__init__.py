@@ -62,7 +62,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     add_config_arguments(train)
     train.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_mode,
+        metavar="auto",
+        help="continue from the latest checkpoint in output_dir; `--resume auto`: also start "
+        "fresh when it has none, for a first launch and every restart alike",
     )
     train.add_argument(
         "--overwrite",
@@ -105,6 +112,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
     add_serve_parser(commands)
     return parser
+
+
+def _resume_mode(value: str) -> str:
+    from titan_learner.job.run_directory import AUTO
+
+    if value != AUTO:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a resume mode; allowed: --resume alone or --resume {AUTO}"
+        )
+    return value
 
 
 def main(argv: list[str] | None = None, prog: str = "titan-learner") -> int:

@@ -248,6 +248,9 @@ class RunSection:
     seq_len: int = field(default=32, metadata={"min": 2})
     log_samples_every: int = field(default=10, metadata=NON_NEGATIVE)
     """Every N steps, a few (prompt, completion, rewards) rows to samples.jsonl (0: never)."""
+    lock_stale_after_s: float = field(default=300.0, metadata={"min": 10.0})
+    """A lock left on another host whose heartbeat (refreshed every 30 s, or a third of this)
+    is older than this is a crashed run's, which a resuming run takes over."""
 
 
 @dataclass

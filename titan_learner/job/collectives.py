@@ -1,5 +1,5 @@
 """The job's few collectives: gathering metrics over data-parallel ranks, one batch per
-tensor-parallel group, and one outcome on every rank when a rank fails."""
+tensor-parallel group, one outcome on every rank when a rank fails, and rank 0's decisions."""
 
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ def same_within_group(batch, group: dist.ProcessGroup | None):
     holder = [batch.cpu()]  # an object broadcast: peers' rollouts may even differ in width
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     return holder[0].to(batch.device)
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` (picklable) on every rank: one decision, taken where the files are."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def raise_everywhere(error: Exception | None) -> None:

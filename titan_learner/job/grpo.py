@@ -1,4 +1,4 @@
-"""The GRPO job: `titan-learner train --config FILE [--set k=v ...] [--resume]`.
+"""The GRPO job: `titan-learner train --config FILE [--set k=v ...] [--resume [auto]]`.
 
 Each step: the loader's prompts -> G sampled completions per prompt (with behaviour log-probs)
 -> the configured rewards on the decoded completions -> group advantages -> `learner.update` ->
@@ -30,7 +30,13 @@ from titan_learner.config.schema import Config
 from titan_learner.config.validate import validate
 from titan_learner.data.loader import Prompt, PromptLoader, load_prompts, rank_slice
 from titan_learner.data.tokenizer import PromptTokenizer, load_tokenizer
-from titan_learner.job.collectives import gather_over, raise_everywhere, same_within_group
+from titan_learner.job.collectives import (
+    from_rank0,
+    gather_over,
+    raise_everywhere,
+    same_within_group,
+)
+from titan_learner.job.run_directory import Resume, RunDirectory
 from titan_learner.job.scoring import score_rollout
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import Reward, build_rewards
@@ -292,37 +298,67 @@ def train_on(
     return StepResult(metrics, samples)
 
 
-def run(config: Config, resume: bool = False, overwrite: bool = False) -> list[dict[str, float]]:
+def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list[dict[str, float]]:
     """Build everything from the config and run the job; per-step metrics (same on every rank).
 
     The run owns `[run] output_dir` (job.run_directory): without `resume` a directory holding
-    a previous run is refused, or moved aside with `overwrite`. SIGTERM checkpoints and stops
-    after the current step (job.preemption).
+    a previous run is refused, or moved aside with `overwrite`; `resume="auto"` resumes when
+    there is a committed checkpoint and starts fresh when there is none, and so does a worker
+    group that torchrun restarted. A finished run is not run again (no metrics: nothing to
+    do). SIGTERM checkpoints and stops after the current step (job.preemption).
     """
     from titan_learner.allocator import keep_freed_memory
-    from titan_learner.config.errors import ConfigError
     from titan_learner.config.validate import device_type
-    from titan_learner.job.run_directory import RunDirectory
+    from titan_learner.job.run_directory import AUTO, elastic_restarts
     from titan_learner.model.parallelize import init_process_group
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(config, world_size)
     keep_freed_memory()  # each step reuses the pages the last one touched
     init_process_group(device_type(config))  # so that ranks agree on the directory below
-    directory = RunDirectory(config.run.output_dir, config.source)
-    error = None
+    if restarts := elastic_restarts():
+        resume = AUTO
+        if rank() == 0:
+            print(f"torchrun restart {restarts}: resuming as --resume {AUTO}", flush=True)
+    directory = own_output_dir(config, resume, overwrite)
+    if directory is None:
+        return []
+    try:
+        return _run(config, bool(resume))
+    finally:
+        directory.release()
+
+
+def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirectory | None:
+    """Rank 0 takes `[run] output_dir` (job.run_directory) and every rank learns the outcome,
+    said in one line each: a lock taken over, a run moved aside. None: the run had finished."""
+    from titan_learner.config.errors import ConfigError
+
+    directory = RunDirectory(config.run.output_dir, config.source, config.run.lock_stale_after_s)
+    error, acquired = None, None
     if rank() == 0:
         try:
-            moved = directory.acquire(resume=resume, overwrite=overwrite)
-            if moved is not None:
-                print(f"moved the previous run in {config.run.output_dir} to {moved}", flush=True)
+            acquired = directory.acquire(resume=resume, overwrite=overwrite, steps=config.run.steps)
         except ConfigError as err:
             error = err
     raise_everywhere(error)
-    try:
-        return _run(config, resume)
-    finally:
-        directory.release()
+    acquired = from_rank0(acquired)
+    lines = []
+    if acquired.took_over is not None:
+        holder = acquired.took_over
+        lines.append(
+            f"taking over the lock of pid {holder.pid} on {holder.host} (no longer running)"
+        )
+    if acquired.moved is not None:
+        lines.append(f"moved the previous run in {config.run.output_dir} to {acquired.moved}")
+    if acquired.finished is not None:
+        lines.append(
+            f"{config.run.output_dir} already finished its {acquired.finished} steps "
+            f"([run] steps = {config.run.steps}); nothing to do"
+        )
+    if rank() == 0 and lines:
+        print("\n".join(lines), flush=True)
+    return None if acquired.finished is not None else directory
 
 
 def _run(config: Config, resume: bool) -> list[dict[str, float]]:
@@ -334,6 +370,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.resume import check_resume, touches_hyperparameters
     from titan_learner.job.rollouts import make_rollouts, sync_points
+    from titan_learner.job.run_directory import mark_finished
     from titan_learner.job.telemetry import Telemetry
     from titan_learner.learner.titan import TitanLearner
 
@@ -479,4 +516,6 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     plot = telemetry.close()
     if plot is not None:
         say(f"curves: {plot}", flush=True)
+    if rank() == 0 and learner.step >= config.run.steps:
+        mark_finished(output_dir, learner.step)  # a restart of this run has nothing to do
     return history

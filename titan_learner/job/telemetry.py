@@ -8,7 +8,8 @@ to `samples.jsonl` for people to read.
 `metrics.jsonl` is the durable record: it is flushed after every line, so a crash loses nothing
 already logged, and the plot written by `close` is read back from it, so it also covers the steps
 of a run this one resumed. A resumed run drops what the previous run logged after its checkpoint
-(from the JSONL file, and from TensorBoard through `purge_step`), so no step appears twice.
+(from the JSONL file, and from TensorBoard through `purge_step`), and a fresh start all of a
+killed run's, so no step appears twice.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ class Telemetry:
         mode = "a" if start_step > 0 else "w"
         self._jsonl = self.jsonl_path.open(mode)
         self._samples = self.samples_path.open(mode)
+        # Hides the events a killed run logged after the step this one starts from (all of
+        # them for a fresh start, which logs step 0's evaluation again).
         self._tensorboard = SummaryWriter(
             str(self.output_dir / "tensorboard"),
-            purge_step=start_step + 1 if start_step > 0 else None,
+            purge_step=start_step + 1 if start_step > 0 else 0,
         )
         self._bar = tqdm(
             total=total_steps,

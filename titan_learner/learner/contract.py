@@ -42,6 +42,7 @@ from titan_learner.learner.normalization import (
     StepNormalization,
     WindowMetrics,
     aggregation_kind,
+    averaged_over_counts,
     counts_of,
     metric_terms,
     micro_batch_counts,
@@ -242,7 +243,11 @@ class Learner:
     # -- the contract -------------------------------------------------------------------------
 
     def update(
-        self, batch: TensorDictBase, *, step_counts: Mapping[str, float] | None = None
+        self,
+        batch: TensorDictBase,
+        *,
+        step_counts: Mapping[str, float] | None = None,
+        per_microbatch_mean: bool = False,
     ) -> TensorDict:
         """One micro-batch: forward, backward and, at the end of an accumulation window, a step.
 
@@ -250,9 +255,10 @@ class Learner:
         micro-batches and data-parallel ranks: it equals the one-process loss on the
         concatenated batch (titan_learner.learner.normalization). With gradient accumulation,
         pass every micro-batch of the window the same `step_counts` (this rank's counts over
-        the whole window: `normalization.step_counts(micro_batches)`); without them each
-        micro-batch is normalized over its own tokens on every rank, which is exact when the
-        window is one micro-batch (`grad_accum_steps = 1`).
+        the whole window: `normalization.step_counts(micro_batches)`). Without them a loss
+        that averages over tokens or rows is a ValueError when a window has several
+        micro-batches: each would be normalized over its own tokens, a different objective
+        that `per_microbatch_mean=True` asks for explicitly (exact for equal micro-batches).
 
         With `[learner] max_tokens_per_microbatch = N` (and `grad_accum_steps = 1`), `batch` is
         this rank's whole step: the learner splits it by length into micro-batches of at most N
@@ -263,6 +269,8 @@ class Learner:
         the loss) and token-weighted diagnostics. `grad_norm` and `lr` appear only on calls
         that closed a window. Every rank must call it.
         """
+        if step_counts is None and not per_microbatch_mean:
+            self._refuse_per_microbatch_means()
         needs_ref = bool(getattr(self.loss_module, "kl_to_ref_coeff", None))
         batch, trained = check_and_count(batch, self.vocab_size, needs_ref, self.device)
         budget = self.config.learner.max_tokens_per_microbatch
@@ -286,6 +294,20 @@ class Learner:
                 if self.stepper.skipped_nonfinite_steps != skipped:
                     break  # the window was dropped, on every rank alike (see compute_loss)
         return self._report(*result)
+
+    def _refuse_per_microbatch_means(self) -> None:
+        """Accumulation without `step_counts` would silently train another objective."""
+        accumulation = getattr(self.stepper, "gradient_accumulation_steps", 1)
+        averaged = averaged_over_counts(self.loss_module)
+        if accumulation > 1 and averaged:
+            raise ValueError(
+                f"update() without step_counts, with grad_accum_steps = {accumulation} and a "
+                f"loss averaged over counts ({averaged}), would average each micro-batch over "
+                "its own tokens, not the step's; allowed: step_counts=step_counts(micro_batches) "
+                "(titan_learner.learner.normalization) on every micro-batch of the window, "
+                "[learner] max_tokens_per_microbatch, or per_microbatch_mean=True to train on "
+                "per-micro-batch means"
+            )
 
     def _update_one(
         self,

@@ -19,7 +19,9 @@ concatenated batch.
 The step's count must be known before its first backward. `update(micro, step_counts=...)` is
 given the rank's counts of its whole step (`step_counts(micro_batches)`); the learner sums them
 over data-parallel ranks once per window. Without them, each micro-batch is normalized by its
-own count over data-parallel ranks (exact whenever the window is one micro-batch).
+own count over data-parallel ranks (exact whenever the window is one micro-batch); with several
+micro-batches a window and a loss that averages over counts, that is a different objective, so
+`update` refuses it unless the caller asks for it (`per_microbatch_mean=True`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,18 @@ def aggregation_kind(loss_module: nn.Module) -> str:
             f"across micro-batches and ranks; allowed: {allowed}"
         )
     return kind
+
+
+def averaged_over_counts(loss_module: nn.Module) -> str | None:
+    """What of the loss is a mean over the batch's tokens or rows (None: nothing is), i.e.
+    what a micro-batch normalized over its own counts would weigh differently from the step."""
+    aggregation = getattr(loss_module, "aggregation", None)
+    if aggregation in AGGREGATION_COUNTS:
+        return f"aggregation {aggregation}"
+    kl = [c for c in ("kl_to_ref_coeff", "kl_to_inference_coeff") if getattr(loss_module, c, None)]
+    if kl and isinstance(loss_module, TokenMeanKL):
+        return f"{' and '.join(kl)} (token means)"
+    return None
 
 
 def check_counts(counts: Mapping[str, float]) -> dict[str, float]:
