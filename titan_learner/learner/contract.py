@@ -477,15 +477,18 @@ class Learner:
         """Write a DCP checkpoint to disk (a collective on every rank): see
         titan_learner.checkpoint.save.
 
-        Rank 0 also writes the resolved config beside the steps (`directory/config.toml`), so a
-        checkpoint says which model it holds (`python -m titan_learner export` reads it).
+        Rank 0 also writes the resolved config and the model's architecture beside the steps
+        (`directory/config.toml`, `model_config.json`), so a checkpoint says which model it
+        holds even without its `hf_checkpoint` (`python -m titan_learner export` reads them).
         """
         from titan_learner import checkpoint
         from titan_learner.config.toml import save_resolved_config
+        from titan_learner.model.architecture_record import record_architecture
 
         if rank() == 0:
             Path(directory).mkdir(parents=True, exist_ok=True)
             save_resolved_config(self.config, directory)
+            record_architecture(self.spec, directory)
         return checkpoint.save(self, directory, **options)
 
     def load(
