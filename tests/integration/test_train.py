@@ -260,3 +260,52 @@ def test_resume_with_a_changed_config_lists_the_changes_or_refuses_the_model(tmp
         "trained with dim = 64, the config says 32; allowed: 64 (what a checkpoint holds cannot "
         "change on resume), or a new output_dir\n"
     )
+
+
+BROKEN_REWARD = "def score(prompt, completion, row):\n    return 'one'  # a string, not a number\n"
+
+
+def broken_reward_run(rank: int, root: str, max_error_fraction: float) -> list[dict] | str:
+    """One step of the toy job whose only reward returns a string, with on_error = "zero"."""
+    import dataclasses
+
+    from titan_learner.rewards.runner import RewardError
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    (Path(root) / "broken.py").write_text(BROKEN_REWARD)
+    config = load_config(
+        TOY,
+        [
+            "run.steps=1",
+            f'run.output_dir="{root}/out"',
+            "checkpoint.interval=0",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "eval.max_prompts=4",
+        ],
+    )
+    broken = dataclasses.replace(
+        config.reward[0],
+        function=f"{root}/broken.py:score",
+        on_error="zero",
+        max_error_fraction=max_error_fraction,
+    )
+    try:
+        return run(dataclasses.replace(config, reward=[broken]))
+    except RewardError as err:
+        return str(err)
+
+
+def test_a_reward_failing_on_every_row_stops_the_job_unless_tolerated(tmp_path):
+    """on_error = "zero" must not train on zeros unnoticed: past max_error_fraction (0.5 by
+    default) the job stops with one line; a tolerated failure is counted on every step."""
+    [message] = run_world(1, broken_reward_run, str(tmp_path / "strict"), 0.5)
+    assert isinstance(message, str) and "\n" not in message, message
+    assert message.startswith(
+        f"reward 'sorted' ({tmp_path}/strict/broken.py:score) failed on 16 of 16 completions, "
+        "more than max_error_fraction = 0.5 (fix the reward, or raise it); the first: returned "
+        "'one' (str), not a number on "
+    ), message
+    [history] = run_world(1, broken_reward_run, str(tmp_path / "lenient"), 1.0)
+    assert [m["reward_errors"] for m in history] == [16.0]
+    assert history[0]["reward_mean"] == 0.0

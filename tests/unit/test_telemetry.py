@@ -63,6 +63,15 @@ def test_logs_every_step_everywhere_and_plots_on_close(tmp_path: Path, capsys) -
     assert "rollout_s=1.235" in lines[1]  # 4 significant digits
 
 
+def test_reward_errors_show_on_the_console_line_only_when_there_are_some(tmp_path, capsys):
+    telemetry = Telemetry(tmp_path, total_steps=2, progress=False)
+    telemetry.log(1, {**_metrics(1), "reward_errors": 0.0})
+    telemetry.log(2, {**_metrics(2), "reward_errors": 3.0})
+    telemetry.close()
+    first, second = capsys.readouterr().out.splitlines()
+    assert "reward_errors" not in first and second.endswith("  reward_errors=3")
+
+
 def test_resume_drops_later_steps_and_appends(tmp_path: Path) -> None:
     first = Telemetry(tmp_path, total_steps=6, progress=False)
     _log_steps(first, range(1, 5))

@@ -35,7 +35,9 @@ CONSOLE_KEYS = (
     "rollout_s",
     "update_s",
     "weight_sync_s",
+    "reward_errors",
 )
+SHOWN_WHEN_NONZERO = ("reward_errors",)
 
 
 class Telemetry:
@@ -125,7 +127,11 @@ class Telemetry:
         return _plot_curves(_read_records(self.jsonl_path), self.output_dir / "curves.png")
 
     def _console_line(self, step: int, values: dict[str, float]) -> str:
-        shown = [f"{name}={values[name]:.4g}" for name in CONSOLE_KEYS if name in values]
+        shown = [
+            f"{name}={values[name]:.4g}"
+            for name in CONSOLE_KEYS
+            if name in values and (values[name] or name not in SHOWN_WHEN_NONZERO)
+        ]
         return "  ".join([f"step {step}/{self.total_steps}", *shown])
 
 
