@@ -113,8 +113,6 @@ class Learner:
         reject_unsynchronized_loss_parameters(
             self.loss_module, model, capabilities.data_parallel_size
         )
-        # The chunked pass computes entropy only for a loss that uses it.
-        self.policy.compute_entropy = bool(getattr(self.loss_module, "entropy_bonus", True))
         self.capabilities = capabilities
         self.data_parallel_group = data_parallel_group
         self.tensor_parallel_group = tensor_parallel_group
