@@ -52,6 +52,16 @@ def test_few_steps_on_one_process_write_metrics_and_curves(tmp_path):
         for key in ("reward_mean", "loss_objective", "grad_norm", "lr", "ESS", "clip_fraction"):
             assert key in metrics, key
         assert metrics["rollout_s"] > 0 and metrics["update_s"] > 0 and metrics["tokens_per_s"] > 0
+        # what a GRPO researcher reads first; entropy although the toy has no entropy bonus
+        assert metrics["entropy"] > 0 and "loss_entropy" not in metrics
+        lengths = [metrics[f"response_length_{k}"] for k in ("min", "mean", "max")]
+        assert 1 <= lengths[0] <= lengths[1] <= lengths[2] <= 8  # max_new_tokens
+        for key in ("truncated_fraction", "groups_zero_variance_fraction"):
+            assert 0 <= metrics[key] <= 1, key
+        assert metrics["advantage_mean"] == pytest.approx(0.0, abs=1e-5)  # per group, so overall
+        assert metrics["advantage_abs_max"] > 0 and metrics["advantage_std"] > 0
+        sides = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        assert sides == pytest.approx(metrics["clip_fraction"], abs=1e-6)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lines = [r for r in records if "training/reward_mean" in r]
     assert [line["step"] for line in lines] == [1, 2, 3]
