@@ -272,6 +272,34 @@ def test_resume_with_a_changed_config_lists_the_changes_or_refuses_the_model(tmp
     )
 
 
+def test_a_resume_with_another_model_is_refused_before_the_build(tmp_path, capsys, monkeypatch):
+    """Without the config.toml to compare keys with (or with another hf_checkpoint directory),
+    the checkpoint's own tensor shapes refuse another model, before anything is built."""
+    base = [
+        "--config", str(TOY), "--set", "rollout.prompts_per_step=16", "--set", "rollout.group_size=8",
+        "--set", "eval.max_prompts=8", "--set", "checkpoint.interval=1",
+        "--set", f'run.output_dir="{tmp_path}"',
+    ]  # fmt: skip
+    assert main([*base, "--set", "run.steps=1"]) == 0
+    (tmp_path / "checkpoints" / "config.toml").unlink()
+    capsys.readouterr()
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the resume was refused")
+
+    monkeypatch.setattr("titan_learner.learner.titan.TitanLearner.from_config", no_build)
+    wider = ["--set", "run.steps=2", "--set", "model.overrides.hidden_dim=128"]
+    assert main([*base, "--resume", *wider]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {TOY}: [model]: the checkpoint {tmp_path / 'checkpoints' / 'step-1'} holds "
+        "another model than this config builds (6 mismatched: layers.0.feed_forward.w1.weight "
+        "(shape (256, 64) saved, (128, 64) here), layers.0.feed_forward.w2.weight (shape (64, "
+        "256) saved, (64, 128) here), layers.0.feed_forward.w3.weight (shape (256, 64) saved, "
+        "(128, 64) here), ... (3 more)); allowed: the model it was trained with, or a new "
+        "output_dir\n"
+    )
+
+
 BROKEN_REWARD = "def score(prompt, completion, row):\n    return 'one'  # a string, not a number\n"
 
 

@@ -309,6 +309,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.resume import check_resume, touches_hyperparameters
+    from titan_learner.job.resume_model import check_resume_model
     from titan_learner.job.rollouts import make_rollouts, sync_points
     from titan_learner.job.telemetry import Telemetry
     from titan_learner.learner.titan import TitanLearner
@@ -317,6 +318,8 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     checkpoints = output_dir / "checkpoints"
     # A config the checkpoint cannot follow is refused before anything is built or loaded.
     changes = check_resume(checkpoints, config) if resume and latest(checkpoints) else []
+    if resume and latest(checkpoints):
+        check_resume_model(checkpoints, config)  # what the keys cannot say: the shapes
     inputs = read_inputs(config)  # every input problem surfaces before the model is built
     learner = TitanLearner.from_config(config)
     # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
