@@ -126,6 +126,8 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
             assert got[key] == want[key], key
     steps = [line["step"] for line in training_lines(tmp_path / "cut")]
     assert steps == [1, 2, 3, 4], "the resumed run appends to the metrics, no duplicate steps"
+    elapsed = [line["training/elapsed_s"] for line in training_lines(tmp_path / "cut")]
+    assert elapsed == sorted(elapsed) and elapsed[2] > elapsed[1], "continued, not restarted"
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step-4"
 
 
