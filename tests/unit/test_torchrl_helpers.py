@@ -172,6 +172,26 @@ def test_entropy_and_clip_sides_are_metrics_without_an_entropy_bonus(loss):
     assert metrics[False]["clip_fraction"] > 0  # the behaviour log-probs are far off: it clips
 
 
+@pytest.mark.parametrize("chunked", ["chunks", "whole batch", "shared prompts"])
+def test_a_measured_entropy_leaves_the_gradients_bit_for_bit(chunked):
+    """Without an entropy bonus the chunked pass computes the entropy for the metric only: its
+    backward takes the entropy-free path, the gradients exactly those of a pass without it."""
+    learner_section = {
+        "chunks": {"logprob_chunk_size": 5},
+        "whole batch": {},
+        "shared prompts": {"share_prompts": True},
+    }[chunked]
+    config = tiny_config(loss={"name": "grpo", "entropy_bonus": False}, learner=learner_section)
+    learner = LocalLearner(config)
+    batch = check_batch(batch_with_a_missing_log_prob(False), learner.vocab_size, False)
+    grads = {}
+    for measured in (True, False):
+        learner.policy.compute_entropy = measured
+        _, grads[measured] = loss_outputs_and_grads(learner, batch)
+    assert len(grads[True]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
+
+
 def test_the_effective_sample_size_is_torchrl_without_its_boolean_index():
     """TorchRL's formula on the selected weights, also where exp() of them would overflow;
     NaN with no trained token, as TorchRL's, whatever count the caller passes."""
