@@ -22,6 +22,8 @@ COMPARED = (
     "loss_entropy",
     "entropy",  # token means, whatever the padding (losses.TokenMeanDiagnostics)
     "clip_fraction",
+    "clip_fraction_low",  # token means too: the sides add up over ranks like the whole
+    "clip_fraction_high",
     "kl_approx",
     "grad_norm",
     "logprob_mismatch",  # token-weighted over ranks

@@ -86,6 +86,13 @@ def test_a_hugging_face_directory_with_jsonl_math_reward_and_eval(runs):
     assert {s["step"] for s in samples} == {1, 2}
     assert all(s["origin"].startswith(str(root / "train.jsonl")) for s in samples)
     assert all({"prompt", "completion", "reward", "reward/math"} <= set(s) for s in samples)
+    # the prompt the model saw, chat template and system prompt included, beside the raw row
+    for sample in samples:
+        assert sample["row"]["question"] == sample["prompt"]
+        assert sample["rendered_prompt"] == (
+            "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+            f"<|im_start|>user\n{sample['prompt']}<|im_end|>\n<|im_start|>assistant\n"
+        )
 
 
 def test_qwen3_directory_with_parquet_prompts(runs):

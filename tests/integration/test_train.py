@@ -52,6 +52,16 @@ def test_few_steps_on_one_process_write_metrics_and_curves(tmp_path):
         for key in ("reward_mean", "loss_objective", "grad_norm", "lr", "ESS", "clip_fraction"):
             assert key in metrics, key
         assert metrics["rollout_s"] > 0 and metrics["update_s"] > 0 and metrics["tokens_per_s"] > 0
+        # what a GRPO researcher reads first; entropy although the toy has no entropy bonus
+        assert metrics["entropy"] > 0 and "loss_entropy" not in metrics
+        lengths = [metrics[f"response_length_{k}"] for k in ("min", "mean", "max")]
+        assert 1 <= lengths[0] <= lengths[1] <= lengths[2] <= 8  # max_new_tokens
+        for key in ("truncated_fraction", "groups_zero_variance_fraction"):
+            assert 0 <= metrics[key] <= 1, key
+        assert metrics["advantage_mean"] == pytest.approx(0.0, abs=1e-5)  # per group, so overall
+        assert metrics["advantage_abs_max"] > 0 and metrics["advantage_std"] > 0
+        sides = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        assert sides == pytest.approx(metrics["clip_fraction"], abs=1e-6)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lines = [r for r in records if "training/reward_mean" in r]
     assert [line["step"] for line in lines] == [1, 2, 3]
@@ -116,6 +126,8 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
             assert got[key] == want[key], key
     steps = [line["step"] for line in training_lines(tmp_path / "cut")]
     assert steps == [1, 2, 3, 4], "the resumed run appends to the metrics, no duplicate steps"
+    elapsed = [line["training/elapsed_s"] for line in training_lines(tmp_path / "cut")]
+    assert elapsed == sorted(elapsed) and elapsed[2] > elapsed[1], "continued, not restarted"
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step-4"
 
 
@@ -284,3 +296,80 @@ def test_resume_with_a_changed_config_lists_the_changes_or_refuses_the_model(tmp
         "trained with dim = 64, the config says 32; allowed: 64 (what a checkpoint holds cannot "
         "change on resume), or a new output_dir\n"
     )
+
+
+def test_a_resume_with_another_model_is_refused_before_the_build(tmp_path, capsys, monkeypatch):
+    """Without the config.toml to compare keys with (or with another hf_checkpoint directory),
+    the checkpoint's own tensor shapes refuse another model, before anything is built."""
+    base = [
+        "--config", str(TOY), "--set", "rollout.prompts_per_step=16", "--set", "rollout.group_size=8",
+        "--set", "eval.max_prompts=8", "--set", "checkpoint.interval=1",
+        "--set", f'run.output_dir="{tmp_path}"',
+    ]  # fmt: skip
+    assert main([*base, "--set", "run.steps=1"]) == 0
+    (tmp_path / "checkpoints" / "config.toml").unlink()
+    capsys.readouterr()
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the resume was refused")
+
+    monkeypatch.setattr("titan_learner.learner.titan.TitanLearner.from_config", no_build)
+    wider = ["--set", "run.steps=2", "--set", "model.overrides.hidden_dim=128"]
+    assert main([*base, "--resume", *wider]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {TOY}: [model]: the checkpoint {tmp_path / 'checkpoints' / 'step-1'} holds "
+        "another model than this config builds (6 mismatched: layers.0.feed_forward.w1.weight "
+        "(shape (256, 64) saved, (128, 64) here), layers.0.feed_forward.w2.weight (shape (64, "
+        "256) saved, (64, 128) here), layers.0.feed_forward.w3.weight (shape (256, 64) saved, "
+        "(128, 64) here), ... (3 more)); allowed: the model it was trained with, or a new "
+        "output_dir\n"
+    )
+
+
+BROKEN_REWARD = "def score(prompt, completion, row):\n    return 'one'  # a string, not a number\n"
+
+
+def broken_reward_run(rank: int, root: str, max_error_fraction: float) -> list[dict] | str:
+    """One step of the toy job whose only reward returns a string, with on_error = "zero"."""
+    import dataclasses
+
+    from titan_learner.rewards.runner import RewardError
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    (Path(root) / "broken.py").write_text(BROKEN_REWARD)
+    config = load_config(
+        TOY,
+        [
+            "run.steps=1",
+            f'run.output_dir="{root}/out"',
+            "checkpoint.interval=0",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "eval.max_prompts=4",
+        ],
+    )
+    broken = dataclasses.replace(
+        config.reward[0],
+        function=f"{root}/broken.py:score",
+        on_error="zero",
+        max_error_fraction=max_error_fraction,
+    )
+    try:
+        return run(dataclasses.replace(config, reward=[broken]))
+    except RewardError as err:
+        return str(err)
+
+
+def test_a_reward_failing_on_every_row_stops_the_job_unless_tolerated(tmp_path):
+    """on_error = "zero" must not train on zeros unnoticed: past max_error_fraction (0.5 by
+    default) the job stops with one line; a tolerated failure is counted on every step."""
+    [message] = run_world(1, broken_reward_run, str(tmp_path / "strict"), 0.5)
+    assert isinstance(message, str) and "\n" not in message, message
+    assert message.startswith(
+        f"reward 'sorted' ({tmp_path}/strict/broken.py:score) failed on 16 of 16 completions, "
+        "more than max_error_fraction = 0.5 (fix the reward, or raise it); the first: returned "
+        "'one' (str), not a number on "
+    ), message
+    [history] = run_world(1, broken_reward_run, str(tmp_path / "lenient"), 1.0)
+    assert [m["reward_errors"] for m in history] == [16.0]
+    assert history[0]["reward_mean"] == 0.0

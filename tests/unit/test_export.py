@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from tests.support.hf_dirs import make_model_dir
 from tests.support.models import VOCAB, batches, tiny_config
 from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
 from titan_learner.cli import main
@@ -267,6 +268,74 @@ def test_library_call_into_an_empty_directory_keeps_the_callers_rng(llama, tmp_p
     )
 
 
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory) -> Run:
+    """A run from a Qwen3 model directory, its [model] without flavor or overrides (the README's
+    path): the directory alone decides the shape."""
+    base = tmp_path_factory.mktemp("hf-run") / "Qwen3-tiny"
+    make_model_dir(base, "qwen3")
+    config = config_from_dict(
+        {
+            "model": {"name": "qwen3", "hf_checkpoint": str(base)},
+            "optimizer": {"lr": 1e-3},
+            "run": {"seed": 0, "steps": 4},
+        }
+    )
+    root = base.parent / "checkpoints"
+    learner = LocalLearner(config)
+    tokens = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(7))
+    for batch in batches(2, varied=True):
+        learner.update(batch)
+    learner.save(str(root)).wait()
+    # The run's length changed since (a shorter run resumed, or the file edited): an export
+    # restores no LR schedule, so it does not care.
+    save_resolved_config(
+        dataclasses.replace(config, run=dataclasses.replace(config.run, steps=1)), root
+    )
+    return Run("qwen3", root, learner, tokens, {2: _logits(learner.model, tokens)})
+
+
+def test_an_hf_checkpoint_run_exports_the_learners_model(hf_run, tmp_path, capsys):
+    out = tmp_path / "hf"
+    code, _, err = export(capsys, "--checkpoint", hf_run.root, "--out", out, "--dtype", "fp32")
+    assert (code, err) == (0, ""), err
+    exported = json.loads((out / "config.json").read_text())
+    assert (exported["hidden_size"], exported["num_hidden_layers"], exported["head_dim"]) == (
+        64, 2, 16,
+    )  # fmt: skip
+    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
+    torch.testing.assert_close(
+        _logits(load_hf(out), hf_run.tokens), hf_run.logits[2], atol=1e-5, rtol=0
+    )
+
+
+def test_an_hf_checkpoint_run_exports_after_its_model_directory_moved(hf_run, tmp_path, capsys):
+    """The architecture recorded beside the checkpoints replaces the gone config.json."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(hf_run.root, root)
+    config = load_config(root / "config.toml")
+    moved = tmp_path / "moved"
+    shutil.copytree(config.model.hf_checkpoint, moved)
+    shutil.rmtree(config.model.hf_checkpoint)
+    try:
+        out = tmp_path / "hf"
+        code, _, err = export(capsys, "--checkpoint", root, "--out", out, "--dtype", "fp32")
+        assert (code, err) == (0, ""), err
+        torch.testing.assert_close(
+            _logits(load_hf(out), hf_run.tokens), hf_run.logits[2], atol=1e-5, rtol=0
+        )
+        capsys.readouterr()  # transformers' progress bar
+        (root / "model_config.json").unlink()  # a checkpoint that recorded nothing
+        assert_one_error(
+            *export(capsys, "--checkpoint", root, "--out", tmp_path / "hf2"),
+            f"error: the run's model directory {config.model.hf_checkpoint} ([model] "
+            f"hf_checkpoint) has no config.json here and {root / 'model_config.json'} is missing",
+        )
+        assert not (tmp_path / "hf2").exists()
+    finally:
+        shutil.copytree(moved, config.model.hf_checkpoint)
+
+
 def test_dtype_names():
     for name, dtype in DTYPE_NAMES.items():
         assert parse_dtype(name) is dtype and parse_dtype(name.upper()) is dtype
@@ -333,7 +402,8 @@ def test_a_config_of_another_model_is_refused(llama, tmp_path, capsys):
     other.write_text(config_to_toml(config))
     assert_one_error(
         *export(capsys, "--checkpoint", llama.root, "--out", tmp_path / "hf", "--config", other),
-        f"error: checkpoint {llama.root / 'step-2'} does not fit this learner",
+        f"error: checkpoint {llama.root / 'step-2'} does not fit this model",
+        "mismatched: tok_embeddings.weight (shape (32, 64) saved, (32, 32) here)",
     )
 
 

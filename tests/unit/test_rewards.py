@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import pytest
 
+from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.evaluation import pass_at_k
 from titan_learner.rewards.builtins import final_answer, gold_answer
@@ -135,6 +137,34 @@ def test_on_error_zero_scores_zero_and_counts(tmp_path):
     assert time.monotonic() - start < 2.0  # a hung call is abandoned, the rest goes on
     assert scores.total.tolist() == [0.5, 0.0, 0.5, 0.0] and scores.errors == 2
     assert len(scores.messages) == 2
+
+
+def test_errors_beyond_max_error_fraction_stop_with_the_count_and_the_first_error():
+    """on_error = "zero" tolerates a few failures per step, not a reward broken on every row."""
+    broken = failing("0.5", on_error="zero")  # a string: an error on every "bad" completion
+    with pytest.raises(RewardError) as info:
+        totals([broken], ["bad", "ok", "bad", "bad"])
+    assert str(info.value) == (
+        "reward 'mine' (my_rewards.py:score) failed on 3 of 4 completions, more than "
+        "max_error_fraction = 0.5 (fix the reward, or raise it); the first: returned '0.5' "
+        "(str), not a number on data.jsonl:1"
+    )
+    at_the_limit = totals([broken], ["bad", "ok", "bad", "ok"])  # 2 of 4: not more than half
+    assert at_the_limit.errors == 2 and at_the_limit.total.tolist() == [0.0, 0.5, 0.0, 0.5]
+    lenient = dataclasses.replace(broken, max_error_fraction=1.0)
+    assert totals([lenient], ["bad"] * 4).errors == 4
+    strict = dataclasses.replace(broken, max_error_fraction=0.0)
+    with pytest.raises(RewardError, match="failed on 1 of 4 completions"):
+        totals([strict], ["ok", "ok", "bad", "ok"])
+
+
+def test_max_error_fraction_comes_from_the_config_and_is_a_fraction(tmp_path):
+    [reward] = rewards_of(tmp_path, [{"function": "math", "on_error": "zero"}])
+    assert reward.max_error_fraction == 0.5
+    tables = [{"function": "math", "max_error_fraction": 0.25}]
+    assert rewards_of(tmp_path, tables)[0].max_error_fraction == 0.25
+    with pytest.raises(ConfigError, match="max_error_fraction"):
+        rewards_of(tmp_path, [{"function": "math", "max_error_fraction": 1.5}])
 
 
 def test_pass_at_k_on_constructed_cases():

@@ -124,7 +124,7 @@ def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
 ):
     """Without KL terms the learner's loss skips TorchRL's forward plumbing; with them it
     takes TorchRL's forward, as any other actor would. Either way `as_dict=True` gives the
-    output's entries, in order, as a dict."""
+    output's entries, in order, as a dict, then the policy diagnostics."""
     learner = LocalLearner(tiny_config(loss=LOSSES[loss]))
     needs_ref = "kl_to_ref_coeff" in LOSSES[loss]
     batch = check_batch(batch_with_a_missing_log_prob(needs_ref), learner.vocab_size, needs_ref)
@@ -141,8 +141,55 @@ def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
         entries = learner.loss_module(batch, as_dict=True)  # what the learner's update asks
     assert calls == ([] if lean else [1, 1])
     assert isinstance(out, loss_class.output_type) and type(entries) is dict
-    assert list(entries) == list(out.keys())
-    assert all(torch.equal(entries[key], out.get(key)) for key in entries)
+    assert list(entries) == [*out.keys(), "clip_fraction_low", "clip_fraction_high"]
+    assert all(torch.equal(entries[key], out.get(key)) for key in out.keys())
+
+
+def test_clip_fractions_by_side_on_a_hand_made_case():
+    """eps 0.2: a ratio below 0.8 clips low, above 1.2 clips high; 0 (padding) neither."""
+    learner = LocalLearner(tiny_config(loss={"name": "grpo", "clip_epsilon": 0.2}))
+    ratios = torch.tensor([[0.5, 0.79, 0.81, 1.0], [1.19, 1.21, 3.0, 1.0]])
+    out = {"entropy": torch.tensor(1.0)}  # with an entropy bonus: left as it is
+    learner.loss_module.policy_diagnostics(out, ratios.log().unsqueeze(-1), None, None)
+    assert out["clip_fraction_low"].item() == 2 / 8 and out["clip_fraction_high"].item() == 2 / 8
+    assert out["entropy"].item() == 1.0
+
+
+@pytest.mark.parametrize("loss", ["grpo", "grpo with KL terms"])
+def test_entropy_and_clip_sides_are_metrics_without_an_entropy_bonus(loss):
+    """The entropy a bonus would use, reported without one (and without its gradient); the
+    two clip sides add up to TorchRL's clip_fraction."""
+    batch = batch_with_a_missing_log_prob("kl_to_ref_coeff" in LOSSES[loss])
+    metrics = {}
+    for bonus in (True, False):
+        config = tiny_config(loss={**LOSSES[loss], "entropy_bonus": bonus})
+        metrics[bonus] = LocalLearner(config).update(batch)
+    assert "loss_entropy" in metrics[True] and "loss_entropy" not in metrics[False]
+    torch.testing.assert_close(metrics[False]["entropy"], metrics[True]["entropy"])
+    for found in metrics.values():
+        sides = found["clip_fraction_low"] + found["clip_fraction_high"]
+        torch.testing.assert_close(sides, found["clip_fraction"])
+    assert metrics[False]["clip_fraction"] > 0  # the behaviour log-probs are far off: it clips
+
+
+@pytest.mark.parametrize("chunked", ["chunks", "whole batch", "shared prompts"])
+def test_a_measured_entropy_leaves_the_gradients_bit_for_bit(chunked):
+    """Without an entropy bonus the chunked pass computes the entropy for the metric only: its
+    backward takes the entropy-free path, the gradients exactly those of a pass without it."""
+    learner_section = {
+        "chunks": {"logprob_chunk_size": 5},
+        "whole batch": {},
+        "shared prompts": {"share_prompts": True},
+    }[chunked]
+    config = tiny_config(loss={"name": "grpo", "entropy_bonus": False}, learner=learner_section)
+    learner = LocalLearner(config)
+    batch = check_batch(batch_with_a_missing_log_prob(False), learner.vocab_size, False)
+    grads = {}
+    for measured in (True, False):
+        learner.policy.compute_entropy = measured
+        _, grads[measured] = loss_outputs_and_grads(learner, batch)
+    assert len(grads[True]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
 
 
 def test_the_effective_sample_size_is_torchrl_without_its_boolean_index():

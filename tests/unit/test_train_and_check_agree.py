@@ -145,3 +145,40 @@ def test_train_and_check_reject_alike(case, capsys, monkeypatch, tmp_path):
         outputs[name] = captured.err
     assert outputs["train"] == outputs["check"]
     assert outputs["train"].startswith(f"error: {TOY}: ") and message in outputs["train"]
+
+
+DATA = {  # every row is read and tokenized: the first rows alone would pass
+    "an overlong prompt": (
+        ["data.max_prompt_tokens=7"],
+        "tokens, more than [data] max_prompt_tokens = 7; allowed: raise it, or overlong = "
+        '"skip" to leave such prompts out',
+    ),
+    "no prompts left": (
+        ["data.max_prompt_tokens=2", 'data.overlong="skip"'],
+        "are longer than max_prompt_tokens = 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA))
+def test_train_and_check_read_the_prompts_alike(case, capsys, monkeypatch, tmp_path):
+    overrides, message = DATA[case]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    outputs = {}
+    for name in ("train", "check"):
+        extra = ["--set", f'run.output_dir="{tmp_path / name}"']
+        assert main([*command(name, overrides), *extra]) == 2, name
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, (name, captured)
+        outputs[name] = captured.err
+    assert outputs["train"] == outputs["check"]
+    assert message in outputs["train"], outputs["train"]
+    assert f"{TOY.parent / 'toy' / 'sort_train.jsonl'}" in outputs["train"]  # names the file
+
+
+def test_check_says_how_many_prompts_train_would_skip(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(command("check", ["data.max_prompt_tokens=7", 'data.overlong="skip"'])) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("prompts: ")]
+    count = int(line.split()[1])
+    assert count > 0 and line == f"prompts: {count} longer than max_prompt_tokens, to be skipped"

@@ -3,24 +3,25 @@
     python -m titan_learner export --checkpoint DIR --out HF_DIR [--dtype bf16] [--config FILE]
                                    [--step N]
 
-The checkpoint is loaded into a one-process `LocalLearner` on CPU (DCP reshards whatever layout
-saved it into the plain model), its weights leave through `get_weights` (TorchTitan's state-dict
-adapter: Hugging Face names, llama3's rotary permutation), and a transformers model built from
-`hf_config(learner.spec)` takes them strictly and writes `save_pretrained`: safetensors,
-config.json and generation_config.json. transformers then loads the directory with the logits
-the learner computes. When the run started from a Hugging Face model (`[model] hf_checkpoint`)
-and that directory is on this machine, its tokenizer files, generation config and special token
-ids go along; otherwise no token ids are claimed (the checkpoint does not know them).
+The run's model is rebuilt on CPU, plain and unsharded, and only its weights are read from the
+checkpoint (DCP reshards whatever layout saved them; optimizer moments, the LR schedule and the
+run's length play no part). Its weights leave under Hugging Face names (TorchTitan's state-dict
+adapter: llama3's rotary permutation), and a transformers model built from `hf_config(spec)`
+takes them strictly and writes `save_pretrained`: safetensors, config.json and
+generation_config.json. transformers then loads the directory with the logits the learner
+computes. When the run started from a Hugging Face model (`[model] hf_checkpoint`) and that
+directory is on this machine, its tokenizer files, generation config and special token ids go
+along; otherwise no token ids are claimed (the checkpoint does not know them).
 
 Which model a checkpoint holds comes from `<checkpoint root>/config.toml` (written next to the
-checkpoints by `save_resolved_config`), or from `--config`.
+checkpoints by `Learner.save`), or from `--config`. A run from `hf_checkpoint` takes its shape
+from that directory's config.json; where that directory is gone, from the architecture the
+learner recorded beside the checkpoints (`model_config.json`).
 
 Nothing half-written is left behind: the files go to a hidden sibling directory that is renamed
 to the output directory only once complete; an existing non-empty output directory is refused.
 
-Cost: the learner holds the model (fp32) and its optimizer state in CPU memory, plus one copy of
-the exported weights; initial weights are a random init (never the `hf_checkpoint`, which the
-checkpoint replaces anyway and which need not exist on the exporting machine).
+Cost: the model (fp32) in CPU memory, plus one copy of the exported weights.
 """
 
 from __future__ import annotations
@@ -30,17 +31,25 @@ import dataclasses
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.layout import LATEST, METADATA, resolve
-from titan_learner.config.schema import Config
+from titan_learner.checkpoint.model_weights import load_model_weights
+from titan_learner.config.schema import Config, ModelOverrides
 from titan_learner.config.toml import RESOLVED_CONFIG, load_config
 from titan_learner.dtypes import parse_dtype
+from titan_learner.model.architecture_record import ARCHITECTURE_FILE, recorded_architecture
+from titan_learner.model.initial_state import materialize
+from titan_learner.model.spec import build_meta, model_spec
+from titan_learner.weights.export import iter_hf_tensors
+
+if TYPE_CHECKING:
+    from torchtitan.protocols.model_spec import ModelSpec
 
 __all__ = ["ExportError", "export_checkpoint"]
 
@@ -59,9 +68,6 @@ BASE_MODEL_FILES = (
     "chat_template.json",
 )
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-# Warnings of a resume that mean nothing to an export: RNG states and a mid-window checkpoint.
-_IRRELEVANT_WARNINGS = ("RNG states not restored", "checkpoint was taken")
 
 
 class ExportError(RuntimeError):
@@ -95,16 +101,12 @@ def export_checkpoint(
     if torch_dtype is None:
         torch_dtype = parse_dtype(config.learner.export_dtype)
 
-    from titan_learner.learner.local import LocalLearner
-
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        for message in _IRRELEVANT_WARNINGS:
-            warnings.filterwarnings("ignore", message=message)
-        learner = LocalLearner(_for_export(config), device="cpu")
-        learner.load(checkpoint_dir, step=step)
-        weights = dict(learner.get_weights(dtype=torch_dtype).items())
-        spec = learner.spec
-        del learner
+    with torch.random.fork_rng(devices=[]):
+        spec = _model_spec(config, _root(checkpoint_dir))
+        model = _plain_model(spec)
+        load_model_weights(model, checkpoint_dir, step)
+        weights = {name: tensor.to(torch_dtype) for name, tensor in iter_hf_tensors(model, spec)}
+        del model
     base = config.model.hf_checkpoint
     base = Path(base) if base and Path(base).is_dir() else None
     with _staging(out) as staging:
@@ -129,9 +131,8 @@ def _resolve_config(checkpoint_dir: Path, config: Config | str | os.PathLike | N
     if config is not None:
         return load_config(config)
     candidates = [checkpoint_dir / RESOLVED_CONFIG]
-    is_step_dir = (checkpoint_dir / METADATA).is_file() and not (checkpoint_dir / LATEST).exists()
-    if is_step_dir:
-        candidates.append(checkpoint_dir.parent / RESOLVED_CONFIG)
+    if _root(checkpoint_dir) != checkpoint_dir:
+        candidates.append(_root(checkpoint_dir) / RESOLVED_CONFIG)
     for path in candidates:
         if path.is_file():
             return load_config(path)
@@ -142,12 +143,35 @@ def _resolve_config(checkpoint_dir: Path, config: Config | str | os.PathLike | N
     )
 
 
-def _for_export(config: Config) -> Config:
-    """The run's model on CPU: attention the CPU has (the weights do not depend on it), and a
-    random start instead of `hf_checkpoint` (the checkpoint replaces every weight)."""
-    model = dataclasses.replace(config.model, hf_checkpoint=None, attention="auto")
-    learner = dataclasses.replace(config.learner, device="cpu")
-    return dataclasses.replace(config, model=model, learner=learner)
+def _root(checkpoint_dir: Path) -> Path:
+    """The checkpoint root of a root or a step directory."""
+    is_step_dir = (checkpoint_dir / METADATA).is_file() and not (checkpoint_dir / LATEST).exists()
+    return checkpoint_dir.parent if is_step_dir else checkpoint_dir
+
+
+def _model_spec(config: Config, root: Path) -> ModelSpec:
+    """The spec of the run's model: the config's, with `hf_checkpoint`'s architecture where
+    that directory is here, else the one recorded in the checkpoint root."""
+    section = config.model
+    base = section.hf_checkpoint
+    if not base or (Path(base) / "config.json").is_file():
+        return model_spec(section, "sdpa", config.source)
+    arch = recorded_architecture(root, config.source)
+    if arch is None:
+        raise ExportError(
+            f"the run's model directory {base} ([model] hf_checkpoint) has no config.json here "
+            f"and {root / ARCHITECTURE_FILE} is missing; allowed: export where that directory "
+            "is, or pass --config FILE with hf_checkpoint naming a copy of it"
+        )
+    section = dataclasses.replace(section, hf_checkpoint=None, overrides=ModelOverrides())
+    return model_spec(section, "sdpa", config.source, arch)
+
+
+def _plain_model(spec: ModelSpec) -> torch.nn.Module:
+    """The spec's model on CPU, unsharded; its own init fills the buffers (RoPE tables)."""
+    model = build_meta(spec)
+    materialize(model, torch.device("cpu"))
+    return model
 
 
 @contextlib.contextmanager

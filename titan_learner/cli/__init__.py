@@ -195,10 +195,12 @@ def _check(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return USER_ERROR
+    from titan_learner.data.errors import DataError
+
     try:
         config = load_config(args.config, args.overrides)
         print(render(config, plan(config, args.world_size)))
-    except ConfigError as err:
+    except (ConfigError, DataError) as err:  # DataError: the prompts, as train reads them
         return _error(err)
     return 0
 

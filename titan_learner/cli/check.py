@@ -3,12 +3,14 @@
 Every check `validate` holds runs; what depends on the machine the run is meant for (a CUDA
 device, flex attention, a local `hf_checkpoint`) is a warning here, since a cluster config is
 often checked on a laptop. The model is built on the meta device only (no memory), so checking
-an 8B config takes seconds.
+an 8B config takes seconds. Where the data and the tokenizer are on this machine, the prompts
+are read as train reads them (every row tokenized: an overlong prompt, or none left).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from titan_learner.config.schema import Config
 from titan_learner.config.toml import config_to_toml
@@ -23,10 +25,13 @@ class Plan:
 
     validated: Validated
     bytes_per_rank: dict[str, int]
+    skipped_prompts: int | None = None  # None: the data or the tokenizer is not here
 
 
 def plan(config: Config, world_size: int) -> Plan:
+    """Raises ConfigError, or DataError where train would (the same one line)."""
     validated = validate(config, world_size, on_this_machine=False)
+    skipped = read_prompts(config)
     shards = validated.dp_shard * validated.tp
     master = 4 * validated.parameters // shards  # fp32 sharded parameters (FSDP's masters)
     moments = 2 * master  # Adam/AdamW exp_avg and exp_avg_sq
@@ -34,7 +39,21 @@ def plan(config: Config, world_size: int) -> Plan:
     frozen = frozen_copies(config)
     if frozen:
         memory["frozen"] = frozen * master
-    return Plan(validated=validated, bytes_per_rank=memory)
+    return Plan(validated=validated, bytes_per_rank=memory, skipped_prompts=skipped)
+
+
+def read_prompts(config: Config) -> int | None:
+    """Train's own reading of the prompts where they and the tokenizer are on this machine:
+    how many overlong prompts it would skip; None where it cannot read them here."""
+    from titan_learner.data.files import resolve
+    from titan_learner.data.tokenizer import tokenizer_dir
+    from titan_learner.job.grpo import read_inputs
+
+    base = Path(config.source).parent
+    files = [resolve(name, base) for name in (*config.data.train_files, *config.data.eval_files)]
+    if not tokenizer_dir(config).is_dir() or not all(path.is_file() for path in files):
+        return None
+    return read_inputs(config).skipped
 
 
 def frozen_copies(config: Config) -> int:
@@ -61,6 +80,8 @@ def render(config: Config, p: Plan) -> str:
     ]
     lines += [f"  {k:<10} {_size(n):>12}" for k, n in p.bytes_per_rank.items()]
     lines.append(f"  {'total':<10} {_size(total):>12}")
+    if p.skipped_prompts:
+        lines.append(f"prompts: {p.skipped_prompts} longer than max_prompt_tokens, to be skipped")
     lines += [f"warning: {warning}" for warning in v.warnings]
     return "\n".join(lines)
 

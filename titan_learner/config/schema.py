@@ -204,6 +204,9 @@ class RewardSection:
     on_error: Literal["raise", "zero"] = "raise"
     """raise: a reward that raises, hangs or returns a non-finite value stops the job with one
     line; zero: it scores 0 and is counted in training/reward_errors."""
+    max_error_fraction: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
+    """With on_error = "zero": more errors than this fraction of a step's completions stop the
+    job with one line (a reward broken on every row would otherwise train on zeros)."""
     pattern: str | None = None
     """regex only: the pattern the completion must match."""
     mode: Literal["search", "fullmatch"] = "search"

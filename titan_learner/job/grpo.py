@@ -224,6 +224,7 @@ def train_on(
     batch under the weights that sampled it); timed as part of `update_s`.
     """
     from titan_learner.job.advantage import group_advantages
+    from titan_learner.job.step_metrics import rollout_metrics
     from titan_learner.learner.batch import ATTENTION_MASK_KEY, REF_LOG_PROBS_KEY
     from titan_learner.learner.normalization import step_counts
 
@@ -264,6 +265,7 @@ def train_on(
         name: gather_over(values, dp_group, device) for name, values in scores.per_reward.items()
     }
     lengths = gather_over(rollout.completion_lengths.float(), dp_group, device)
+    finished = gather_over(rollout.finished.float(), dp_group, device)
     tokens = gather_over(batch.get(ATTENTION_MASK_KEY).sum().reshape(1).float(), dp_group, device)
     errors = gather_over(torch.tensor([float(scores.errors)]), dp_group, device)
     waited_s = rollout_s if waited_s is None else waited_s
@@ -275,7 +277,9 @@ def train_on(
         reward_max=float(all_rewards.max()),
         **{f"reward/{name}_mean": float(values.mean()) for name, values in per_reward.items()},
         reward_errors=float(errors.sum()),
-        response_length_mean=float(lengths.mean()),
+        **rollout_metrics(
+            all_rewards, group_advantages(all_rewards, group), lengths, finished > 0, group
+        ),
         tokens_per_s=float(tokens.sum()) / total_s,
         rollout_s=rollout_s,
         rollout_wait_s=waited_s,
@@ -289,6 +293,8 @@ def train_on(
         {
             "origin": owners[i].origin,
             "prompt": owners[i].text,
+            "rendered_prompt": inputs.tokenizer.tokenizer.decode(owners[i].ids),
+            "row": owners[i].row,
             "completion": texts[i],
             "reward": float(rewards[i]),
             **{f"reward/{name}": float(v[i]) for name, v in scores.per_reward.items()},
@@ -369,6 +375,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.resume import check_resume, touches_hyperparameters
+    from titan_learner.job.resume_model import check_resume_model
     from titan_learner.job.rollouts import make_rollouts, sync_points
     from titan_learner.job.run_directory import mark_finished
     from titan_learner.job.telemetry import Telemetry
@@ -378,6 +385,8 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     checkpoints = output_dir / "checkpoints"
     # A config the checkpoint cannot follow is refused before anything is built or loaded.
     changes = check_resume(checkpoints, config) if resume and latest(checkpoints) else []
+    if resume and latest(checkpoints):
+        check_resume_model(checkpoints, config)  # what the keys cannot say: the shapes
     inputs = read_inputs(config)  # every input problem surfaces before the model is built
     learner = TitanLearner.from_config(config)
     # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).

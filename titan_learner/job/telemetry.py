@@ -9,12 +9,13 @@ to `samples.jsonl` for people to read.
 already logged, and the plot written by `close` is read back from it, so it also covers the steps
 of a run this one resumed. A resumed run drops what the previous run logged after its checkpoint
 (from the JSONL file, and from TensorBoard through `purge_step`), and a fresh start all of a
-killed run's, so no step appears twice.
+killed run's, so no step appears twice, and its `elapsed_s` continues from the last step kept.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from tqdm import tqdm
 from titan_learner.files import atomic_write_text
 
 NAMESPACE = "training/"
+ELAPSED = "elapsed_s"
+"""Seconds of training since the run's first step: a resumed run continues the count."""
 
 # What the one console line per step shows, in this order, when present: the rest goes to the files.
 CONSOLE_KEYS = (
@@ -36,7 +39,9 @@ CONSOLE_KEYS = (
     "rollout_s",
     "update_s",
     "weight_sync_s",
+    "reward_errors",
 )
+SHOWN_WHEN_NONZERO = ("reward_errors",)
 
 
 class Telemetry:
@@ -63,9 +68,11 @@ class Telemetry:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.output_dir / "metrics.jsonl"
         self.samples_path = self.output_dir / "samples.jsonl"
+        self._elapsed_before = 0.0
         if start_step > 0:
             _drop_steps_after(self.jsonl_path, start_step)
             _drop_steps_after(self.samples_path, start_step)
+            self._elapsed_before = _last_value(self.jsonl_path, NAMESPACE + ELAPSED)
         mode = "a" if start_step > 0 else "w"
         self._jsonl = self.jsonl_path.open(mode)
         self._samples = self.samples_path.open(mode)
@@ -95,6 +102,8 @@ class Telemetry:
         if not self.enabled:
             return
         values = {name: float(value) for name, value in metrics.items()}
+        if namespace == NAMESPACE and ELAPSED in values:  # the run's time, across resumes
+            values[ELAPSED] += self._elapsed_before
         record = {"step": step, **{namespace + name: value for name, value in values.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -114,7 +123,8 @@ class Telemetry:
         if not self.enabled:
             return
         for row in rows:
-            self._samples.write(json.dumps({"step": step, **row}) + "\n")
+            # default=str: a dataset row may hold values JSON has no type for (dates, say)
+            self._samples.write(json.dumps({"step": step, **row}, default=str) + "\n")
         self._samples.flush()
 
     def close(self) -> Path | None:
@@ -128,7 +138,11 @@ class Telemetry:
         return _plot_curves(_read_records(self.jsonl_path), self.output_dir / "curves.png")
 
     def _console_line(self, step: int, values: dict[str, float]) -> str:
-        shown = [f"{name}={values[name]:.4g}" for name in CONSOLE_KEYS if name in values]
+        shown = [
+            f"{name}={values[name]:.4g}"
+            for name in CONSOLE_KEYS
+            if name in values and (values[name] or name not in SHOWN_WHEN_NONZERO)
+        ]
         return "  ".join([f"step {step}/{self.total_steps}", *shown])
 
 
@@ -143,6 +157,12 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _last_value(path: Path, key: str) -> float:
+    """The last value of `key` in the JSONL file `path` (0.0 when it holds none)."""
+    values = [r[key] for r in _read_records(path) if key in r] if path.exists() else []
+    return float(values[-1]) if values else 0.0
+
+
 def _drop_steps_after(path: Path, last_step: int) -> None:
     """Rewrites `path` (atomically) without the records of steps after `last_step`."""
     if not path.exists():
@@ -151,53 +171,105 @@ def _drop_steps_after(path: Path, last_step: int) -> None:
     atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
-def _plot_curves(records: list[dict[str, Any]], path: Path) -> Path:
-    """Reward (mean ± std band, eval reward and pass@k), the loss terms and grad_norm against
-    step, in one PNG. (A min..max band says nothing on a 0/1 reward: it is always 0..1.)"""
+Records = list[dict[str, Any]]
+Getter = Callable[[dict[str, Any]], "float | None"]
+
+
+def _series(records: Records, key: str) -> tuple[list[int], list[float]]:
+    points = [(record["step"], record[key]) for record in records if key in record]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def _band(ax: Any, records: Records, low: Getter, high: Getter, label: str) -> None:
+    """A shaded band between `low(record)` and `high(record)` where both are known."""
+    rows = [r for r in records if low(r) is not None and high(r) is not None]
+    if rows:
+        steps = [r["step"] for r in rows]
+        ax.fill_between(
+            steps, [low(r) for r in rows], [high(r) for r in rows], alpha=0.25, label=label
+        )
+
+
+def _value(key: str) -> Getter:
+    return lambda record: record.get(NAMESPACE + key)
+
+
+def _reward_panel(ax: Any, records: Records) -> None:
+    """Mean ± std band, eval reward, pass@1 and pass@k in their own styles, and the reward
+    errors (on a right-hand axis) when there were any."""
+    ax.plot(*_series(records, NAMESPACE + "reward_mean"), label="mean")
+    mean, std = _value("reward_mean"), _value("reward_std")
+    _band(
+        ax,
+        records,
+        lambda r: None if std(r) is None else mean(r) - std(r),
+        lambda r: None if std(r) is None else mean(r) + std(r),
+        "mean ± std",
+    )
+    for key, label, style in (
+        ("eval/reward_mean", "eval reward", "o-"),
+        ("eval/pass@1", "eval pass@1", "s--"),
+        ("eval/pass@k", "eval pass@k", "^:"),
+    ):
+        steps, values = _series(records, key)
+        if steps:
+            ax.plot(steps, values, style, label=label)
+    steps, errors = _series(records, NAMESPACE + "reward_errors")
+    if any(errors):
+        twin = ax.twinx()
+        twin.plot(steps, errors, color="tab:red", linewidth=0.8, label="reward errors")
+        twin.set_ylabel("reward errors", color="tab:red")
+    ax.set_title("reward")
+
+
+def _length_panel(ax: Any, records: Records) -> None:
+    """Response length (mean, min..max band) and, on the right, the truncated fraction."""
+    ax.plot(*_series(records, NAMESPACE + "response_length_mean"), label="mean")
+    _band(ax, records, _value("response_length_min"), _value("response_length_max"), "min..max")
+    steps, truncated = _series(records, NAMESPACE + "truncated_fraction")
+    if steps:
+        twin = ax.twinx()
+        twin.plot(steps, truncated, color="tab:red", linewidth=0.8)
+        twin.set_ylabel("truncated fraction", color="tab:red")
+    ax.set_title("response length (tokens)")
+
+
+def _plot_curves(records: Records, path: Path) -> Path:
+    curves_figure(records).savefig(path, dpi=100)
+    return path
+
+
+def curves_figure(records: Records) -> Any:
+    """Reward (mean ± std band, eval reward, pass@1 and pass@k), the loss terms, grad_norm,
+    response length and KL / entropy against step, as one matplotlib Figure. (A min..max
+    band says nothing on a 0/1 reward: it is always 0..1.)"""
     # The Agg canvas renders without a display and leaves pyplot's global backend alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    def series(key: str) -> tuple[list[int], list[float]]:
-        points = [(record["step"], record[key]) for record in records if key in record]
-        return [step for step, _ in points], [value for _, value in points]
-
-    figure = Figure(figsize=(7, 9), layout="constrained")
+    figure = Figure(figsize=(7, 14), layout="constrained")
     FigureCanvasAgg(figure)
-    reward_ax, loss_ax, grad_ax = figure.subplots(3, 1, sharex=True)
-
-    reward_ax.plot(*series(NAMESPACE + "reward_mean"), label="mean")
-    mean, std = NAMESPACE + "reward_mean", NAMESPACE + "reward_std"
-    banded = [r for r in records if mean in r and std in r]
-    if banded:
-        reward_ax.fill_between(
-            [r["step"] for r in banded],
-            [r[mean] - r[std] for r in banded],
-            [r[mean] + r[std] for r in banded],
-            alpha=0.25,
-            label="mean ± std",
-        )
-    for key, label in (
-        ("eval/reward_mean", "eval reward"),
-        ("eval/pass@1", "eval pass@1"),
-        ("eval/pass@k", "eval pass@k"),
-    ):
-        steps, values = series(key)
-        if steps:
-            reward_ax.plot(steps, values, marker="o", label=label)
-    reward_ax.set_title("reward")
+    reward_ax, loss_ax, grad_ax, length_ax, kl_ax = figure.subplots(5, 1, sharex=True)
+    _reward_panel(reward_ax, records)
 
     loss_keys = sorted({key for r in records for key in r if key.startswith(NAMESPACE + "loss_")})
     for key in loss_keys:
-        loss_ax.plot(*series(key), label=key.removeprefix(NAMESPACE))
+        loss_ax.plot(*_series(records, key), label=key.removeprefix(NAMESPACE))
     loss_ax.set_title("loss terms")
 
-    grad_ax.plot(*series(NAMESPACE + "grad_norm"))
+    grad_ax.plot(*_series(records, NAMESPACE + "grad_norm"))
     grad_ax.set_title("grad_norm")
-    grad_ax.set_xlabel("step")
 
-    for ax in (reward_ax, loss_ax):
+    _length_panel(length_ax, records)
+
+    for key in ("kl_approx", "kl_to_ref", "entropy"):
+        steps, values = _series(records, NAMESPACE + key)
+        if steps:
+            kl_ax.plot(steps, values, label=key)
+    kl_ax.set_title("KL (kl_approx: to the sampling policy) and entropy")
+    kl_ax.set_xlabel("step")
+
+    for ax in (reward_ax, loss_ax, length_ax, kl_ax):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize="small")
-    figure.savefig(path, dpi=100)
-    return path
+    return figure

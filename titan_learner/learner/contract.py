@@ -116,8 +116,6 @@ class Learner:
             self.loss_module, model, capabilities.data_parallel_size
         )
         aggregation_kind(self.loss_module)  # one the step's normalization knows, before compute
-        # The chunked pass computes entropy only for a loss that uses it.
-        self.policy.compute_entropy = bool(getattr(self.loss_module, "entropy_bonus", True))
         self.capabilities = capabilities
         self.data_parallel_group = data_parallel_group
         self.tensor_parallel_group = tensor_parallel_group
@@ -501,15 +499,18 @@ class Learner:
         """Write a DCP checkpoint to disk (a collective on every rank): see
         titan_learner.checkpoint.save.
 
-        Rank 0 also writes the resolved config beside the steps (`directory/config.toml`), so a
-        checkpoint says which model it holds (`python -m titan_learner export` reads it).
+        Rank 0 also writes the resolved config and the model's architecture beside the steps
+        (`directory/config.toml`, `model_config.json`), so a checkpoint says which model it
+        holds even without its `hf_checkpoint` (`python -m titan_learner export` reads them).
         """
         from titan_learner import checkpoint
         from titan_learner.config.toml import save_resolved_config
+        from titan_learner.model.architecture_record import record_architecture
 
         if rank() == 0:
             Path(directory).mkdir(parents=True, exist_ok=True)
             save_resolved_config(self.config, directory)
+            record_architecture(self.spec, directory)
         return checkpoint.save(self, directory, **options)
 
     def load(

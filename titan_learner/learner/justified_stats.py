@@ -37,6 +37,7 @@ from titan_learner.learner.logprobs import (
     _logits_grad,
     _matmul_weight,
     _stats_forward,
+    used_grads,
 )
 
 WHOLE_BATCH_LOGITS = 2**20
@@ -82,6 +83,7 @@ class _JustifiedTokenStats(torch.autograd.Function):
         source = torch.argsort(following, dim=1)  # each caller position's predictor
         ctx.save_for_backward(rows, weight, log_probs, targets, entropy, ignored, keep, following)
         ctx.inputs_shape = inputs.shape
+        ctx.set_materialize_grads(False)  # an entropy only measured passes None: no work
         token = torch.where(keep, token.view(shape).gather(1, source), 0.0)
         if entropy is not None:
             entropy = torch.where(keep, entropy.view(shape).gather(1, source), 0.0)
@@ -90,12 +92,14 @@ class _JustifiedTokenStats(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(
-        ctx, token_grad: torch.Tensor, entropy_grad: torch.Tensor | None
+        ctx, token_grad: torch.Tensor | None, entropy_grad: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None, None]:
         rows, weight, log_probs, targets, entropy, ignored, keep, following = ctx.saved_tensors
-        token_grad = torch.where(keep, token_grad, 0.0).gather(1, following).view(-1)
-        if entropy is not None:
+        if token_grad is not None:
+            token_grad = torch.where(keep, token_grad, 0.0).gather(1, following).view(-1)
+        if entropy_grad is not None:
             entropy_grad = torch.where(keep, entropy_grad, 0.0).gather(1, following).view(-1)
+        token_grad, entropy = used_grads(token_grad, entropy_grad, entropy, targets, log_probs)
         grad = _logits_grad(log_probs, targets, entropy, ignored, token_grad, entropy_grad)
         grad.view(*keep.shape, -1).select(1, -1).zero_()  # the constant predictor: none
         if weight is None:  # the node started from the logits

@@ -120,6 +120,21 @@ def _stats_forward(
     return log_probs, token, entropy
 
 
+def used_grads(
+    token_grad: torch.Tensor | None,
+    entropy_grad: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    targets: torch.Tensor,
+    log_probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-probs' gradient (zeros where the loss did not use them) and the entropy to
+    differentiate: None where the loss did not use it (a metric), so `_logits_grad` skips its
+    term, which would add zero, bit for bit."""
+    if token_grad is None:
+        token_grad = log_probs.new_zeros(targets.shape)
+    return token_grad, entropy if entropy_grad is not None else None
+
+
 def _logits_grad(
     log_probs: torch.Tensor,
     targets: torch.Tensor,
@@ -170,14 +185,16 @@ class _TokenStats(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         log_probs, token, entropy = _stats_forward(logits, targets, with_entropy, ignored)
         ctx.save_for_backward(log_probs, targets, entropy, ignored)
+        ctx.set_materialize_grads(False)  # an entropy only measured passes None: no work
         return token, entropy
 
     @staticmethod
     @once_differentiable
     def backward(
-        ctx, token_grad: torch.Tensor, entropy_grad: torch.Tensor | None
+        ctx, token_grad: torch.Tensor | None, entropy_grad: torch.Tensor | None
     ) -> tuple[torch.Tensor, None, None, None]:
         log_probs, targets, entropy, ignored = ctx.saved_tensors
+        token_grad, entropy = used_grads(token_grad, entropy_grad, entropy, targets, log_probs)
         grad = _logits_grad(log_probs, targets, entropy, ignored, token_grad, entropy_grad)
         return grad, None, None, None
 
@@ -208,18 +225,21 @@ class _ScatteredTokenStats(torch.autograd.Function):
         logits = rows.mm(weight.t()).float()
         log_probs, token, entropy = _stats_forward(logits, targets, with_entropy, ignored)
         ctx.save_for_backward(rows, weight, log_probs, targets, entropy, ignored, positions)
+        ctx.set_materialize_grads(False)  # an entropy only measured passes None: no work
         scattered_entropy = None if entropy is None else _scattered(entropy, positions, shape)
         return _scattered(token, positions, shape), scattered_entropy
 
     @staticmethod
     @once_differentiable
     def backward(
-        ctx, token_grad: torch.Tensor, entropy_grad: torch.Tensor | None
+        ctx, token_grad: torch.Tensor | None, entropy_grad: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None, None]:
         rows, weight, log_probs, targets, entropy, ignored, positions = ctx.saved_tensors
-        token_grad = token_grad.reshape(-1).index_select(0, positions)
-        if entropy is not None:
+        if token_grad is not None:
+            token_grad = token_grad.reshape(-1).index_select(0, positions)
+        if entropy_grad is not None:
             entropy_grad = entropy_grad.reshape(-1).index_select(0, positions)
+        token_grad, entropy = used_grads(token_grad, entropy_grad, entropy, targets, log_probs)
         grad = _logits_grad(log_probs, targets, entropy, ignored, token_grad, entropy_grad)
         grad = grad.to(weight.dtype)
         return grad.mm(weight), grad.t().mm(rows), None, None, None, None, None

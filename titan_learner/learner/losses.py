@@ -246,17 +246,44 @@ class LeanForward:
     """
 
     _torchrl_forward: Any = None  # the loss class's own forward (titan_loss_class sets it)
+    _weighed: tuple[Any, Any, Any] | None = None  # this forward's (log_weight, dist, adv_shape)
 
     def forward(self, tensordict: Any, *, as_dict: bool = False) -> Any:
         """TorchRL's output; `as_dict=True`: its entries as a plain dict instead (what the
-        learner edits before it builds its own TensorDict once)."""
-        out = self._lean_terms(tensordict)
-        if out is None:
-            out = self._torchrl_forward(tensordict)
-            return dict(out.items()) if as_dict else out
+        learner edits before it builds its own TensorDict once), with `policy_diagnostics`."""
+        try:
+            out = self._lean_terms(tensordict)
+            if out is None:
+                out = self._torchrl_forward(tensordict)
+                if not as_dict:
+                    return out
+                out = dict(out.items())
+            if as_dict and self._weighed is not None:  # TorchRL's output class has no room
+                self.policy_diagnostics(out, *self._weighed)
+        finally:
+            record(self, _weighed=None)  # the distribution holds the batch's hidden states
         if as_dict:
             return out
         return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))  # type: ignore[attr-defined]
+
+    def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
+        log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
+        record(self, _weighed=(log_weight, dist, adv_shape))
+        return log_weight, dist, kl_approx, mask
+
+    def policy_diagnostics(
+        self, out: dict[str, Any], log_weight: Any, dist: Any, adv_shape: Any
+    ) -> None:
+        """What a GRPO researcher reads first, without gradient, with or without an entropy
+        bonus: `entropy`, and which side the ratio was clipped on, `clip_fraction_low` (below
+        1 - eps_low) and `clip_fraction_high` (above 1 + eps_high); padded-position means like
+        TorchRL's `clip_fraction`, made token means by `token_mean_diagnostics`."""
+        with torch.no_grad():
+            if "entropy" not in out:
+                out["entropy"] = self._get_entropy(dist, adv_shape=adv_shape).mean()  # type: ignore[attr-defined]
+            low, high = self._clip_bounds  # type: ignore[attr-defined]
+            out["clip_fraction_low"] = (log_weight < low).to(log_weight.dtype).mean()
+            out["clip_fraction_high"] = (log_weight > high).to(log_weight.dtype).mean()
 
     def _lean_terms(self, tensordict: Any) -> dict[str, torch.Tensor] | None:
         """The output entries, computed without TorchRL's plumbing; None where it does not
@@ -328,7 +355,14 @@ def effective_sample_size(
     return (weights.sum() / torch.linalg.vector_norm(weights)).square() / count
 
 
-TOKEN_DIAGNOSTICS = ("clip_fraction", "kl_approx", "entropy", "tis_truncated")
+TOKEN_DIAGNOSTICS = (
+    "clip_fraction",
+    "clip_fraction_low",
+    "clip_fraction_high",
+    "kl_approx",
+    "entropy",
+    "tis_truncated",
+)
 
 
 class TokenMeanDiagnostics:

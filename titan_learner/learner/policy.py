@@ -68,9 +68,10 @@ class TitanPolicy(LLMWrapperBase):
     logprob_chunk_size: 0 gives the losses TorchRL's dense `LLMMaskedCategorical` over
     `token_logits`; N > 0 gives a `ChunkedTokenCategorical` that runs the lm_head on N scored
     positions at a time (FSDP and tensor parallel included: see titan_learner.logprobs).
-    compute_entropy: (chunked only) compute the entropy in the same chunked pass, as the losses'
-    default `entropy_bonus=True` needs; False saves that work when the loss has no entropy
-    bonus, and `entropy()` then costs one more chunked pass if it is called after all.
+    compute_entropy: (chunked only) compute the entropy in the same chunked pass, for the
+    losses' entropy bonus and the learner's `entropy` metric (unused by the loss, it adds no
+    backward work); False saves the forward's share, and `entropy()` then costs one more
+    chunked pass if it is called after all.
     share_prompts: (chunked only) the decoder runs on a stream of the tokens the scores need,
     each prompt once for the rows that share it (titan_learner.learner.shared_prompts).
     """

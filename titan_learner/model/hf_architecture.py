@@ -41,9 +41,11 @@ class HFArchitecture:
     rope_scaling: dict[str, Any] | None  # llama3-type scaling, else None
 
 
-def read_architecture(directory: str, source: str) -> HFArchitecture | None:
-    """The architecture in `directory/config.json`, or None when the directory has none."""
-    path = Path(directory) / "config.json"
+def read_architecture(
+    directory: str, source: str, file_name: str = "config.json"
+) -> HFArchitecture | None:
+    """The architecture in `directory/config.json` (or `file_name`), None when there is none."""
+    path = Path(directory) / file_name
     if not path.is_file():
         return None
     where = "[model] hf_checkpoint"

@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from titan_learner.config.errors import ConfigError, did_you_mean
-from titan_learner.model.hf_architecture import agree, apply_details, read_architecture
+from titan_learner.model.hf_architecture import (
+    HFArchitecture,
+    agree,
+    apply_details,
+    read_architecture,
+)
 
 if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
@@ -61,8 +66,16 @@ def _resized_layers(name: str, base, o, attn_backend: str) -> list:
     return _build_qwen3_layers(head_dim=head_dim, **common)
 
 
-def model_spec(section: ModelSection, attention: str, source: str = "<config>") -> ModelSpec:
-    """TorchTitan's ModelSpec for [model], with overrides applied and the attention backend set."""
+def model_spec(
+    section: ModelSection,
+    attention: str,
+    source: str = "<config>",
+    arch: HFArchitecture | None = None,
+) -> ModelSpec:
+    """TorchTitan's ModelSpec for [model], with overrides applied and the attention backend set.
+
+    arch: the architecture to build, when it is not `hf_checkpoint`'s config.json (export reads
+    the one recorded beside the checkpoints)."""
     registry, configs = _registry(section.name)
     if section.flavor not in configs:
         raise ConfigError(
@@ -74,7 +87,8 @@ def model_spec(section: ModelSection, attention: str, source: str = "<config>") 
     spec = registry(section.flavor, attn_backend="flex")
     cfg = spec.model
     o = section.overrides
-    arch = read_architecture(section.hf_checkpoint, source) if section.hf_checkpoint else None
+    if arch is None and section.hf_checkpoint:
+        arch = read_architecture(section.hf_checkpoint, source)
     if arch is not None:  # the model directory decides the shape
         o = agree(section, arch, source)
     if any(getattr(o, f.name) is not None for f in dataclasses.fields(o) if f.name != "vocab_size"):

@@ -5,7 +5,9 @@ and each call gets `timeout_s`: a call that hangs is abandoned (the thread is le
 rest of the batch continues in a new one), so a hung reward can end the job or score 0 but never
 hang it. A call that raises, times out, or returns something that is not a finite number is an
 error: with `on_error = "raise"` the job stops with one line naming the reward, the dataset row
-and what happened; with "zero" the completion scores 0 for that reward and the error is counted.
+and what happened; with "zero" the completion scores 0 for that reward and the error is counted,
+unless more than `max_error_fraction` of the completions scored at once (a step's, on one rank)
+fail: a reward broken on every row stops the job too, with its count and first error.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Reward:
     weight: float
     timeout_s: float
     on_error: str
+    max_error_fraction: float = 0.5
 
 
 @dataclass
@@ -82,6 +85,7 @@ def build_rewards(config: Config) -> list[Reward]:
                 weight=section.weight,
                 timeout_s=section.timeout_s,
                 on_error=section.on_error,
+                max_error_fraction=section.max_error_fraction,
             )
         )
     return rewards
@@ -142,16 +146,24 @@ def score(
     errors, messages = 0, []
     for reward in rewards:
         values = torch.zeros(len(items), dtype=torch.float32)
+        named, failed = f"reward '{reward.name}' ({reward.spec})", []
         for index, (status, value) in sorted(_run(reward, items).items()):
             problem = _problem(status, value)
             if problem is None:
                 values[index] = float(value)  # type: ignore[arg-type]
                 continue
-            message = f"reward '{reward.name}' ({reward.spec}) {problem} on {origins[index]}"
+            message = f"{named} {problem} on {origins[index]}"
             if reward.on_error == "raise":
                 raise RewardError(message + '; allowed: a finite number (or on_error = "zero")')
-            errors += 1
-            messages.append(message)
+            failed.append(message)
+        if len(failed) > reward.max_error_fraction * len(items):
+            raise RewardError(
+                f"{named} failed on {len(failed)} of {len(items)} completions, more than "
+                f"max_error_fraction = {reward.max_error_fraction:g} (fix the reward, or raise "
+                "it); the first: " + failed[0].removeprefix(named + " ")
+            )
+        errors += len(failed)
+        messages += failed
         per_reward[reward.name] = values
         total += reward.weight * values
     return Scores(total=total, per_reward=per_reward, errors=errors, messages=messages)

@@ -60,11 +60,15 @@ def checksum_of(named: list[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def _state_dict_name(module_name: str, param_name: str) -> str:
-    name = f"{module_name}.{param_name}" if module_name else param_name
+def unwrapped_name(name: str) -> str:
+    """A state-dict name without the wrappers AC and compile insert."""
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
+
+
+def _state_dict_name(module_name: str, param_name: str) -> str:
+    return unwrapped_name(f"{module_name}.{param_name}" if module_name else param_name)
 
 
 def _fresh_full_tensor(param: torch.Tensor) -> torch.Tensor:
