@@ -171,10 +171,19 @@ def requests_served(url: str) -> float:
     )
 
 
-def server_job(rank: int, root: str, urls: list[str], overrides: dict) -> list[dict]:
+def server_job(rank: int, root: str, urls: list[str], overrides: dict) -> dict:
+    """The run on the servers, then the same one step off-policy (sampled in the pipeline's
+    thread while the learner trains; rank 1 waits in its thread for the version rank 0 pushes
+    from its own)."""
     os.environ["TITAN_LEARNER_SERVER_TOKEN"] = TOKEN
     MODEL_OVERRIDES.update(overrides)  # a spawned process: the fixture's module state is not here
-    return run(config_from_dict(tables(Path(root), urls, steps=3), str(Path(root) / "run.toml")))
+    source = str(Path(root) / "run.toml")
+    run_tables = tables(Path(root), urls, steps=3)
+    history = run(config_from_dict(run_tables, source))
+    run_tables["run"]["output_dir"] = str(Path(root) / "ahead")
+    run_tables["rollout"]["max_off_policy_steps"] = 1
+    run_tables["eval"]["every_steps"] = 0
+    return {"history": history, "ahead": run(config_from_dict(run_tables, source))}
 
 
 @pytest.fixture(scope="module")
@@ -186,19 +195,27 @@ def job(servers):
 
 
 def test_the_job_trains_on_both_servers_with_dp_shard_2(job):
-    root, urls, before, histories = job
-    history = histories[0]
+    root, urls, before, results = job
+    history = results[0]["history"]
     assert [int(m["policy_version"]) for m in history] == [1, 2, 3]
     for metrics in history:
         assert all(math.isfinite(v) for v in metrics.values()), metrics
         # the servers served the weights being trained: importance ratio 1, nothing clipped
         assert metrics["logprob_mismatch_max"] < 1e-5, metrics  # fp32 on CPU
         assert abs(metrics["kl_approx"]) < 1e-5 and metrics["clip_fraction"] == 0
-    assert [served_version(url) for url in urls] == ["3", "3"], "rank 0 pushed to both"
     assert all(requests_served(url) > b for url, b in zip(urls, before, strict=True))
     rows = [json.loads(line) for line in (root / "run/out/metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "training/loss_objective" in row] == [1, 2, 3]
     assert [row["step"] for row in rows if "eval/pass@1" in row] == [0, 3]
+
+
+def test_the_servers_sample_one_version_ahead_in_the_pipeline_thread(job):
+    _, urls, _, results = job
+    ahead = results[0]["ahead"]
+    assert [m["staleness_max"] for m in ahead] == [0.0, 1.0, 1.0]
+    assert [int(m["policy_version"]) for m in ahead] == [1, 2, 3]
+    assert all(m["logprob_mismatch_max"] < 1e-5 for m in ahead), ahead
+    assert [served_version(url) for url in urls] == ["3", "3"], "rank 0 pushed to both"
 
 
 def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, monkeypatch):
