@@ -100,6 +100,18 @@ WORLD2 = {
     },
     # Rank 0's loss is NaN at step 1: both ranks drop that step, and only that step.
     "poisoned dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}}, "poisoned_step": 1},
+    # MiniMax-M1's CISPO, every clipped token keeping its gradient (the synthetic log-probs put
+    # nearly all of them below 1 - 0.2): one token mean and clip fraction over ranks and
+    # unequal micro-batches
+    "varied cispo dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"name": "cispo", "clip_epsilon": [0.2, 0.28]},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
     "varied kl dp_shard=2 accumulate 2": {
         "sections": {
             "parallelism": {"dp_shard": 2},
@@ -176,7 +188,11 @@ def reference_for(layout: str, reference, qwen3_reference):
     return qwen3_reference if layout.startswith("qwen3") else reference
 
 
-VARIED_LOSSES = {"prompt_mean": {"aggregation": "prompt_mean"}, "kl": {"kl_to_ref_coeff": 0.1}}
+VARIED_LOSSES = {
+    "prompt_mean": {"aggregation": "prompt_mean"},
+    "kl": {"kl_to_ref_coeff": 0.1},
+    "cispo": {"name": "cispo", "clip_epsilon": [0.2, 0.28]},
+}
 
 
 @functools.cache

@@ -3,6 +3,8 @@
 Which class a name means, and the check of its keyword arguments, are config validation
 (`titan_learner.config.validate`); this module instantiates it, with one change of
 normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
+Where TorchRL's class departs from the published algorithm, its subclass that follows the paper
+is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tensordict import TensorDict
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.validate import loss_class
 from titan_learner.learner.batch import trained_mask
+from titan_learner.learner.cispo import MiniMaxCISPOLoss
 from titan_learner.learner.logprobs import ChunkedTokenCategorical
 from titan_learner.learner.policy import TitanPolicy
 
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
 # Defaults that differ from TorchRL's: "rlhf" masks with an explicit response mask, which is what
 # the batch format carries (TorchRL's "sft" rule assumes a fixed prompt width).
 LOSS_DEFAULTS: dict[str, Any] = {"masking_strategy": "rlhf"}
+# Where TorchRL's class is not the published algorithm, the subclass that is (by [loss] name).
+PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss}
 
 
 def record(loss_module: Any, **values: Any) -> None:
@@ -458,7 +463,8 @@ def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
     tis_cap = kwargs.pop("tis_cap", None)
     try:
-        loss = titan_loss_class(loss_class(section.name))(actor, **kwargs)
+        base = PUBLISHED_OBJECTIVES.get(section.name) or loss_class(section.name)
+        loss = titan_loss_class(base)(actor, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err
     loss.tis_cap = None if tis_cap is None else float(tis_cap)
