@@ -86,7 +86,7 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
             where="[learner] grad_accum_steps",
         )
     if config.rollout.generator == "vllm":
-        check_vllm_structure(config)
+        check_vllm_structure(config, data_parallel)
 
 
 def longest_sequence(config: Config) -> int:
