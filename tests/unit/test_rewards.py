@@ -13,7 +13,13 @@ from titan_learner.config.toml import config_from_dict
 from titan_learner.job.evaluation import pass_at_k
 from titan_learner.rewards.builtins import final_answer, gold_answer
 from titan_learner.rewards.loading import RewardLoadError, load_function
-from titan_learner.rewards.runner import Reward, RewardError, build_rewards, score
+from titan_learner.rewards.runner import (
+    Reward,
+    RewardError,
+    build_rewards,
+    check_error_fractions,
+    score,
+)
 
 ROW = {"answer": "Natalia sold 48/2 = 24 clips in May. #### 72"}
 
@@ -24,10 +30,12 @@ def rewards_of(tmp_path, tables: list[dict]):
 
 
 def totals(rewards, completions, row=ROW):
+    """One rank's scores of a step, its error fractions judged as the job does alone."""
     n = len(completions)
-    return score(
-        rewards, ["p"] * n, completions, [row] * n, [f"data.jsonl:{i + 1}" for i in range(n)]
-    )
+    origins = [f"data.jsonl:{i + 1}" for i in range(n)]
+    scores = score(rewards, ["p"] * n, completions, [row] * n, origins)
+    check_error_fractions(rewards, [scores.failures])
+    return scores
 
 
 def test_final_answer_is_the_last_boxed_else_the_last_number():
@@ -156,6 +164,25 @@ def test_errors_beyond_max_error_fraction_stop_with_the_count_and_the_first_erro
     strict = dataclasses.replace(broken, max_error_fraction=0.0)
     with pytest.raises(RewardError, match="failed on 1 of 4 completions"):
         totals([strict], ["ok", "ok", "bad", "ok"])
+
+
+def test_the_error_fraction_is_over_the_steps_completions_on_every_rank():
+    """A rank whose rows happen to break the reward must not stop a step whose completions
+    mostly scored; the first error named is the lowest rank's."""
+    broken = failing("0.5", on_error="zero")
+    rank0 = score([broken], ["p"] * 4, ["bad", "bad", "bad", "ok"], [ROW] * 4, list("abcd"))
+    rank1 = score([broken], ["p"] * 4, ["ok"] * 4, [ROW] * 4, list("efgh"))
+    check_error_fractions([broken], [rank0.failures, rank1.failures])  # 3 of 8
+    rank1 = score([broken], ["p"] * 4, ["bad", "ok", "ok", "ok"], [ROW] * 4, list("efgh"))
+    check_error_fractions([broken], [rank0.failures, rank1.failures])  # 4 of 8: not more
+    rank1 = score([broken], ["p"] * 4, ["ok", "bad", "bad", "ok"], [ROW] * 4, list("efgh"))
+    with pytest.raises(RewardError) as info:
+        check_error_fractions([broken], [{}, rank1.failures, rank0.failures])  # {}: no rows
+    assert str(info.value) == (
+        "reward 'mine' (my_rewards.py:score) failed on 5 of 8 completions, more than "
+        "max_error_fraction = 0.5 (fix the reward, or raise it); the first: returned '0.5' "
+        "(str), not a number on f"
+    )
 
 
 def test_max_error_fraction_comes_from_the_config_and_is_a_fraction(tmp_path):

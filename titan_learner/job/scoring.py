@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from titan_learner.data.loader import Prompt
 from titan_learner.data.tokenizer import PromptTokenizer
-from titan_learner.job.collectives import raise_everywhere
-from titan_learner.rewards.runner import Reward, Scores, score
+from titan_learner.job.collectives import gather_objects, raise_everywhere
+from titan_learner.rewards.runner import Reward, Scores, check_error_fractions, score
 
 
 def score_rollout(
@@ -20,7 +22,8 @@ def score_rollout(
     """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
 
     A collective: every rank calls it (`rollout=None` on a rank with no prompts), so that a
-    reward that fails on one rank raises on all of them instead of leaving them waiting.
+    reward that fails on one rank raises on all of them instead of leaving them waiting, and a
+    reward's `max_error_fraction` is judged over the completions of every rank.
     """
     texts = [tokenizer.decode(ids) for ids in rollout.completion_ids] if rollout else []
     owners = [p for p in prompts for _ in range(group)] if rollout else []
@@ -37,4 +40,12 @@ def score_rollout(
         except Exception as err:  # every rank must learn of it before the next collective
             error = err
     raise_everywhere(error)
+    judge_error_fractions(rewards, scores)
     return texts, owners, scores
+
+
+def judge_error_fractions(rewards: Sequence[Reward], scores: Scores | None) -> None:
+    """Each reward's failures over every rank's completions against its `max_error_fraction`:
+    the same verdict on every rank (a collective)."""
+    world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    check_error_fractions(rewards, gather_objects(scores.failures if scores else {}, world))

@@ -6,8 +6,9 @@ rest of the batch continues in a new one), so a hung reward can end the job or s
 hang it. A call that raises, times out, or returns something that is not a finite number is an
 error: with `on_error = "raise"` the job stops with one line naming the reward, the dataset row
 and what happened; with "zero" the completion scores 0 for that reward and the error is counted,
-unless more than `max_error_fraction` of the completions scored at once (a step's, on one rank)
-fail: a reward broken on every row stops the job too, with its count and first error.
+unless more than `max_error_fraction` of a step's completions (over every rank,
+`check_error_fractions`) fail: a reward broken on every row stops the job too, with its count
+and first error.
 """
 
 from __future__ import annotations
@@ -44,14 +45,25 @@ class Reward:
     max_error_fraction: float = 0.5
 
 
+@dataclass(frozen=True)
+class Failures:
+    """One reward's failures among `scored` completions, and the first one's message."""
+
+    count: int
+    scored: int
+    first: str | None
+
+
 @dataclass
 class Scores:
-    """`total[i]`: completion i's weighted reward; `per_reward[name][i]`: one reward's score."""
+    """`total[i]`: completion i's weighted reward; `per_reward[name][i]`: one reward's score;
+    `failures[name]`: what failed with on_error = "zero" (`check_error_fractions` judges it)."""
 
     total: torch.Tensor
     per_reward: dict[str, torch.Tensor]
     errors: int
     messages: list[str] = field(default_factory=list)
+    failures: dict[str, Failures] = field(default_factory=dict)
 
 
 def reward_name(section: RewardSection) -> str:
@@ -143,7 +155,7 @@ def score(
     items = list(zip(prompts, completions, rows, strict=True))
     total = torch.zeros(len(items), dtype=torch.float32)
     per_reward: dict[str, torch.Tensor] = {}
-    errors, messages = 0, []
+    errors, messages, failures = 0, [], {}
     for reward in rewards:
         values = torch.zeros(len(items), dtype=torch.float32)
         named, failed = f"reward '{reward.name}' ({reward.spec})", []
@@ -156,17 +168,28 @@ def score(
             if reward.on_error == "raise":
                 raise RewardError(message + '; allowed: a finite number (or on_error = "zero")')
             failed.append(message)
-        if len(failed) > reward.max_error_fraction * len(items):
-            raise RewardError(
-                f"{named} failed on {len(failed)} of {len(items)} completions, more than "
-                f"max_error_fraction = {reward.max_error_fraction:g} (fix the reward, or raise "
-                "it); the first: " + failed[0].removeprefix(named + " ")
-            )
+        failures[reward.name] = Failures(len(failed), len(items), failed[0] if failed else None)
         errors += len(failed)
         messages += failed
         per_reward[reward.name] = values
         total += reward.weight * values
-    return Scores(total=total, per_reward=per_reward, errors=errors, messages=messages)
+    return Scores(total, per_reward, errors, messages, failures)
+
+
+def check_error_fractions(rewards: Sequence[Reward], parts: Sequence[dict[str, Failures]]) -> None:
+    """Raise RewardError for the first reward that failed on more than its
+    `max_error_fraction` of the completions of all `parts` (a step's, one part per rank)."""
+    for reward in rewards:
+        mine = [part[reward.name] for part in parts if reward.name in part]
+        failed, scored = sum(p.count for p in mine), sum(p.scored for p in mine)
+        if failed > reward.max_error_fraction * scored:
+            first = next(p.first for p in mine if p.first is not None)
+            named = f"reward '{reward.name}' ({reward.spec})"
+            raise RewardError(
+                f"{named} failed on {failed} of {scored} completions, more than "
+                f"max_error_fraction = {reward.max_error_fraction:g} (fix the reward, or raise "
+                "it); the first: " + first.removeprefix(named + " ")
+            )
 
 
 def _problem(status: str, value: object) -> str | None:
