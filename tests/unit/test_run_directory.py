@@ -76,6 +76,9 @@ def test_a_second_run_into_a_live_directory_is_refused(tmp_path):
 def test_a_killed_runs_lock_is_taken_over_by_a_resume_only(tmp_path):
     pid = dead_pid()
     left = holder(tmp_path, pid, started=12345)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step-1\n")
     with pytest.raises(ConfigError) as info:
         acquire(RunDirectory(tmp_path, "run.toml"))
     assert str(info.value) == (
@@ -187,6 +190,24 @@ def test_resume_auto_starts_fresh_or_resumes_or_does_nothing(tmp_path):
     with pytest.raises(ConfigError, match="but no committed checkpoint to resume from"):
         acquire(RunDirectory(killed, "run.toml"), resume=AUTO, steps=12)
     assert (killed / FINISHED).exists() and (killed / "metrics.jsonl").exists()
+
+
+def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path):
+    """A crash at start (a bad reward, Ctrl-C while the model was built) leaves a lock, the
+    config and an empty metrics file: the same command runs again, without --overwrite."""
+    died = tmp_path / "died"
+    holder(died, dead_pid())
+    (died / "metrics.jsonl").write_text("")
+    (died / "checkpoints").mkdir()  # created, nothing committed
+    (died / "config.toml").write_text("[run]\n")
+    directory = RunDirectory(died, "run.toml")
+    acquired = acquire(directory)
+    assert acquired.reused and acquired.took_over is not None and acquired.moved is None
+    assert Holder.read(died / LOCK).pid == os.getpid()
+    directory.release()
+    (died / "metrics.jsonl").write_text('{"step": 0, "eval/pass@1": 0.1}\n')  # one row: a run
+    with pytest.raises(ConfigError, match="holds a previous run"):
+        acquire(RunDirectory(died, "run.toml"))
 
 
 def test_a_finished_run_is_never_truncated_and_overwrite_moves_it_aside(tmp_path):

@@ -357,6 +357,11 @@ def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirect
         )
     if acquired.moved is not None:
         lines.append(f"moved the previous run in {config.run.output_dir} to {acquired.moved}")
+    if acquired.reused:
+        lines.append(
+            f"reusing {config.run.output_dir}: its run stopped before its first step (no "
+            "committed checkpoint, no metrics row)"
+        )
     if acquired.finished is not None:
         lines.append(
             f"{config.run.output_dir} already finished its {acquired.finished} steps "

@@ -6,8 +6,9 @@
   run that is gone, so a crashed run continues with the command that started it: on the same
   host, when its pid no longer runs that process (the start time tells a reused pid apart); on
   another host, when its heartbeat is older than `[run] lock_stale_after_s`.
-- A run without --resume into a directory that holds a previous run (checkpoints or metrics)
-  is refused: nothing of it is truncated or replaced; so is --resume when that run left no
+- A run without --resume into a directory that holds a previous run (a committed checkpoint or
+  a metrics row; a run that stopped before its first step left neither and is started over,
+  saying so) is refused: nothing of it is truncated or replaced; so is --resume when that run left no
   committed checkpoint (it would start over on top of its metrics). `--resume auto` resumes
   when there is a committed checkpoint and starts fresh when there is none (replacing the logs
   of a run killed before its first one). `--overwrite` moves the old run aside to
@@ -123,6 +124,16 @@ class Acquired:
     moved: Path | None = None
     took_over: Holder | None = None
     finished: int | None = None
+    reused: bool = False  # it held a run that stopped before its first step
+
+
+def no_rows(output_dir: Path) -> bool:
+    """Whether a run in `output_dir` logged no metrics row (it stopped before its first step
+    or evaluation: a crash at start, a bad reward, Ctrl-C while the model was built)."""
+    try:
+        return not (output_dir / "metrics.jsonl").read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return True
 
 
 def finished_step(output_dir: Path) -> int | None:
@@ -162,15 +173,18 @@ class RunDirectory:
 
     def acquire(self, *, resume: Resume, overwrite: bool, steps: int) -> Acquired:
         """Own the directory, or say that its run already finished `steps` (when resuming)."""
-        took_over = self._check_lock(take_over=bool(resume) or overwrite)
         finished = finished_step(self.path)
+        resumable = (self.path / "checkpoints" / LATEST).exists()
+        started = resumable or finished is not None or not no_rows(self.path)
+        # the lock of a gone run that left nothing to keep is taken over without being asked
+        took_over = self._check_lock(take_over=bool(resume) or overwrite or not started)
         if resume and finished is not None and finished >= steps:
             return Acquired(took_over=took_over, finished=finished)
         moved = None
         previous = [name for name in PREVIOUS_RUN if (self.path / name).exists()]
-        resumable = (self.path / "checkpoints" / LATEST).exists()
-        if resume == AUTO and not resumable and finished is None:
-            previous = []  # a run killed before its first checkpoint: start it over
+        reused = bool(previous) and not started
+        if reused or (resume == AUTO and not resumable and finished is None):
+            previous = []  # a run killed before its first step, or checkpoint: start it over
         if previous and not (resume and resumable):  # a resumable run is continued, not replaced
             if overwrite:
                 moved = self.path.with_name(
@@ -201,7 +215,7 @@ class RunDirectory:
             file.write(self.held.line())
         self._beating = threading.Thread(target=self._beat, name="lock-heartbeat", daemon=True)
         self._beating.start()
-        return Acquired(moved=moved, took_over=took_over)
+        return Acquired(moved=moved, took_over=took_over, reused=reused)
 
     def _check_lock(self, take_over: bool) -> Holder | None:
         """Raise while a live run holds the lock; remove a gone run's lock when `take_over`
