@@ -59,16 +59,22 @@ def learner() -> LocalLearner:
 
 
 @pytest.fixture(scope="module")
-def engine(learner, tmp_path_factory):
-    """A VLLMGenerator started from a directory of random weights of the learner's shape (its
-    own seed: the first push must replace them); on CPU its weight transfer is gloo."""
-    from titan_learner.rollout.vllm import VLLMGenerator
-
+def engine_dir(tmp_path_factory):
+    """An HF directory of random weights of the learner's shape (its own seed: the first push
+    must replace them)."""
     directory = tmp_path_factory.mktemp("engine") / "model"
     other = LocalLearner(learner_config(seed=1))
     push_weights(other, SafetensorsDirSink(directory, hf_config(other.spec)), BUCKET, dtype=F32)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir):
+    """A VLLMGenerator on `engine_dir`; on CPU its weight transfer is gloo."""
+    from titan_learner.rollout.vllm import VLLMGenerator
+
     generator = VLLMGenerator(
-        str(directory),
+        str(engine_dir),
         eos_id=EOS_ID,
         pad_id=PAD_ID,
         dtype=F32,
@@ -220,3 +226,28 @@ def test_an_engine_sink_on_a_users_llm_takes_over_its_weight_transfer(learner, e
 
     train(learner, steps=2, seed=20)
     check_serves_the_learners_weights(learner, engine, VLLMEngineSink(engine.llm))
+
+
+def test_an_engine_that_does_not_start_is_one_line_naming_what_sizes_it(engine_dir):
+    """vLLM's engine process logs why; the job's error must say what to change, in one line."""
+    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.errors import EngineStartError
+
+    with pytest.raises(EngineStartError) as caught:
+        VLLMGenerator(
+            str(engine_dir),
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            dtype=F32,
+            enforce_eager=True,
+            max_model_len=64,
+            kv_cache_memory_bytes=1024,  # not one KV block
+        )
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("the vLLM engine did not start (")
+    assert message.endswith(
+        "it was given kv_cache_memory_bytes = 1024; what sizes it: [rollout.vllm] "
+        "kv_cache_memory_bytes, [rollout] prompts_per_step, group_size and max_new_tokens, "
+        "[data] max_prompt_tokens"
+    )

@@ -1,9 +1,10 @@
 """The GRPO job with `[rollout] generator = "vllm"` end to end on a real vLLM engine (the CPU
 build here and in CI): a user's Hugging Face directory (head_dim 64, which the CPU attention
 takes), GSM8K-format prompts, the math reward and a user reward, evaluation, a checkpoint and a
-resume. The engine starts from [model] hf_checkpoint and takes the learner's weights after
-every update; the learner's first update of each step must then find its own log-probs in the
-rollout (an importance ratio of 1)."""
+resume. The engine starts from [model] hf_checkpoint, with no [rollout.vllm] section (on CPU
+the job sizes its memory), and takes the learner's weights after every update; the learner's
+first update of each step must then find its own log-probs in the rollout (an importance ratio
+of 1)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,7 @@ def vllm_job(rank: int, root: str) -> dict:
             "prompts_per_step": 4,
             "group_size": 4,
             "max_new_tokens": 6,
-            "vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20},
-        },
+        },  # no [rollout.vllm]: on CPU the job sizes the engine's memory itself
         learner={"export_dtype": "float32"},
         checkpoint={"interval": 2},
     )

@@ -51,6 +51,10 @@ def test_the_server_command_carries_what_the_job_needs(monkeypatch):
         "--enable-scale-out",
         "--enforce-eager",
         "--max-num-seqs 64",
+        # on CPU, a KV cache for this server's share of a step: 64 prompts over 2 servers x 16
+        # completions = 512 rows, at most vLLM's 256 at once, each 24 positions in one block of
+        # 128, at 2 (K, V) x 2 layers x 4 KV heads x head_dim 16 x 4 bytes (fp32) a position
+        f"--kv-cache-memory-bytes {256 * 128 * 2 * 2 * 4 * 16 * 4}",
     ):
         assert expected in flags, expected
     assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "gloo"})
@@ -67,6 +71,7 @@ def test_a_token_installs_the_guard_and_never_reaches_the_command_line(monkeypat
     assert argv[argv.index("--middleware") + 1] == MIDDLEWARE
     assert env[TOKEN_ENV] == "s3cret" and "s3cret" not in " ".join(argv)
     assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl"})
+    assert "--kv-cache-memory-bytes" not in argv, "a GPU server keeps vLLM's own sizing"
     monkeypatch.setenv(TOKEN_ENV, "from-env")
     assert server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")[1][
         TOKEN_ENV

@@ -139,14 +139,23 @@ def console() -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """What `train` reports as one line and exit 2: bad config, data, rewards, checkpoint, a
-    rollout server that is down or refuses."""
+    rollout server that is down or refuses, a vLLM engine that does not start."""
     from titan_learner.checkpoint.errors import CheckpointError
     from titan_learner.data.errors import DataError
     from titan_learner.rewards.loading import RewardLoadError
     from titan_learner.rewards.runner import RewardError
+    from titan_learner.vllm.errors import EngineStartError
     from titan_learner.vllm.server_client import ServerError
 
-    return (ConfigError, DataError, RewardError, RewardLoadError, CheckpointError, ServerError)
+    return (
+        ConfigError,
+        DataError,
+        RewardError,
+        RewardLoadError,
+        CheckpointError,
+        ServerError,
+        EngineStartError,
+    )
 
 
 def _error(err: Exception) -> int:

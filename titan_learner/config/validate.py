@@ -83,7 +83,13 @@ def validate(
         from titan_learner.job.checks import check_job_inputs, check_sequence_length
 
         check_sequence_length(config, shape.max_seq_len)
-        check_job_inputs(config, lambda check: machine_check(check, lambda: None), shape.vocab_size)
+        check_job_inputs(
+            config,
+            lambda check: machine_check(check, lambda: None),
+            shape.vocab_size,
+            world_size,
+            dp_replicate * dp_shard,
+        )
     return Validated(
         world_size=world_size,
         dp_replicate=dp_replicate,

@@ -121,9 +121,14 @@ def check_sequence_length(config: Config, max_seq_len: int) -> None:
 
 
 def check_job_inputs(
-    config: Config, machine_check: Callable[[Callable[[], None]], None], model_vocab: int
+    config: Config,
+    machine_check: Callable[[Callable[[], None]], None],
+    model_vocab: int,
+    world_size: int,
+    data_parallel: int,
 ) -> None:
-    """Data files, their keys, the tokenizer and the rewards, as far as they exist here.
+    """Data files, their keys, the tokenizer, the rewards and the vLLM engines, as far as
+    they exist here.
 
     `machine_check(fn)` runs `fn` and turns a ConfigError about something missing on this
     machine into a warning where the run is meant for another machine.
@@ -151,7 +156,7 @@ def check_job_inputs(
                 _check_first_rows(config, path, [key, data.answer_key])
     _check_tokenizer(config, machine_check, model_vocab)
     if config.rollout.generator == "vllm":
-        check_vllm_machine(config, machine_check)
+        check_vllm_machine(config, machine_check, world_size, data_parallel)
     for index, section in enumerate(config.reward):
         if section.function in BUILTINS:
             continue

@@ -103,14 +103,20 @@ def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
 def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dict):
     """Each rank's own in-process vLLM engine, on the rank's device."""
     from titan_learner.job.checks import longest_sequence
-    from titan_learner.job.vllm_checks import engine_model_path
+    from titan_learner.job.vllm_checks import engine_model_path, engine_rows
+    from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.engine_memory import cpu_engine_defaults, job_engine_memory
     from titan_learner.vllm.serve import OWN_KEYS
 
     # the KV cache is sized for what the job asks, not for the model's longest context
     engine = {"max_model_len": longest_sequence(config)} | {
         key: value for key, value in config.rollout.vllm.items() if key not in OWN_KEYS
     }
+    if learner.device.type == "cpu":
+        rows = engine_rows(config, learner.capabilities.data_parallel_size)
+        memory = job_engine_memory(config, hf_config(learner.spec), rows=rows)
+        engine |= cpu_engine_defaults(engine, memory)
     return VLLMGenerator(
         engine_model_path(config),
         dtype=dtype,

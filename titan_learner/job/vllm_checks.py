@@ -102,12 +102,74 @@ def _check_servers(config: Config, data_parallel: int) -> None:
         )
 
 
-def check_vllm_machine(config: Config, machine_check: Callable[[Callable[[], None]], None]) -> None:
-    """What needs this machine: an engine model whose parameter shapes are the learner's, and
-    vllm installed and knowing every [rollout.vllm] key."""
+def engine_rows(config: Config, data_parallel: int) -> int:
+    """The rows one of the job's own engines samples in a step: its rank's share."""
+    return config.rollout.prompts_per_step // data_parallel * config.rollout.group_size
+
+
+def check_vllm_machine(
+    config: Config,
+    machine_check: Callable[[Callable[[], None]], None],
+    world_size: int,
+    data_parallel: int,
+) -> None:
+    """What needs this machine: an engine model whose parameter shapes are the learner's,
+    vllm installed and knowing every [rollout.vllm] key, and, for engines on this machine's
+    CPU, the memory they take."""
     machine_check(lambda: _check_engine_model(config))
     machine_check(lambda: _check_engine_arguments(config))
     machine_check(lambda: _check_weight_transfer(config))
+    if not config.rollout.vllm.get("servers"):
+        machine_check(lambda: _check_cpu_engine_memory(config, world_size, data_parallel))
+
+
+def _check_cpu_engine_memory(config: Config, world_size: int, data_parallel: int) -> None:
+    """Engines on CPU hold their weights and KV cache in host memory, one engine per rank of
+    this host (torchrun's LOCAL_WORLD_SIZE; `check` counts the whole world): vLLM refuses to
+    start, ~150 traceback lines, when the host has less free."""
+    import os
+
+    import psutil  # a dependency of vllm's and wandb's
+    import torch
+
+    from titan_learner.vllm.engine_memory import job_engine_memory
+
+    if torch.cuda.is_available():
+        return  # GPU engines: vLLM sizes them with gpu_memory_utilization
+    engine, host = config.rollout.vllm, psutil.virtual_memory()
+    engines = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if "gpu_memory_utilization" in engine and "kv_cache_memory_bytes" not in engine:
+        reserved = engine["gpu_memory_utilization"] * host.total
+        if engines * reserved > host.available:
+            raise ConfigError(
+                f"on CPU, vLLM reserves gpu_memory_utilization = "
+                f"{engine['gpu_memory_utilization']} of the host's memory for each of "
+                f"{engines} engine(s), {_gib(engines * reserved)}, and {_gib(host.available)} "
+                "is free; allowed: leave it out (the job sizes the KV cache for its sequences) "
+                "or a smaller fraction",
+                source=config.source,
+                where="[rollout.vllm] gpu_memory_utilization",
+            )
+        return
+    rows = engine_rows(config, data_parallel)
+    memory = job_engine_memory(config, learner_hf_config(config), rows=rows)
+    kv_cache = engine.get("kv_cache_memory_bytes", memory.kv_cache)
+    need = engines * (memory.weights + kv_cache)
+    if need > host.available:
+        raise ConfigError(
+            f"{engines} vLLM engine(s) on CPU need {_gib(need)} (each: weights "
+            f"{_gib(memory.weights)} + KV cache {_gib(kv_cache)} for {memory.sequences} "
+            f"sequences of {memory.tokens_per_sequence} tokens) and this host has "
+            f"{_gib(host.available)} free; allowed: fewer prompts_per_step or group_size, "
+            "shorter max_prompt_tokens or max_new_tokens, a smaller [rollout.vllm] "
+            "kv_cache_memory_bytes (sequences then queue), or rollout servers",
+            source=config.source,
+            where="[rollout.vllm]",
+        )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB"
 
 
 def _check_weight_transfer(config: Config) -> None:
@@ -155,9 +217,7 @@ def _check_engine_model(config: Config) -> None:
     from transformers import AutoConfig
 
     from titan_learner.config.validate import hf_checkpoint_problem
-    from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
-    from titan_learner.model.parallelize import prepare_model_config
-    from titan_learner.model.spec import model_spec
+    from titan_learner.model.hf_config import hf_parameter_shapes
 
     if not config.rollout.model_path:
         return  # the engine starts from [model] hf_checkpoint, which validate checks already
@@ -165,9 +225,7 @@ def _check_engine_model(config: Config) -> None:
     problem = hf_checkpoint_problem(path)
     if problem:
         raise ConfigError(problem, source=config.source, where=where)
-    spec = model_spec(config.model, "sdpa", config.source)
-    prepare_model_config(spec, config)
-    learner_shapes, _ = hf_parameter_shapes(hf_config(spec))
+    learner_shapes, _ = hf_parameter_shapes(learner_hf_config(config))
     engine_shapes, _ = hf_parameter_shapes(AutoConfig.from_pretrained(path))
     for name in sorted(learner_shapes.keys() | engine_shapes.keys()):
         mine, theirs = learner_shapes.get(name), engine_shapes.get(name)
@@ -183,3 +241,15 @@ def _check_engine_model(config: Config) -> None:
 
 def _shape(shape) -> str:
     return "absent" if shape is None else str(tuple(shape))
+
+
+def learner_hf_config(config: Config):
+    """The transformers config of the learner's model (the engines serve the same shapes),
+    from the config alone: no weights, no engine directory."""
+    from titan_learner.model.hf_config import hf_config
+    from titan_learner.model.parallelize import prepare_model_config
+    from titan_learner.model.spec import model_spec
+
+    spec = model_spec(config.model, "sdpa", config.source)
+    prepare_model_config(spec, config)
+    return hf_config(spec)

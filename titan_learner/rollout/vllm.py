@@ -22,6 +22,7 @@ from titan_learner.rollout.base import (
     rollout_from_lists,
 )
 from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.errors import engine_start_error
 from titan_learner.vllm.plugin import register
 from titan_learner.weights.matching import match_named_tensors
 
@@ -168,14 +169,17 @@ class VLLMGenerator:
         )
         register()  # this process's vLLM factories know the gloo backend too
         with engine_gpu(device if one_gpu else None):
-            self.llm = vllm.LLM(
-                model=model_path,
-                dtype=dtype,
-                seed=seed,
-                skip_tokenizer_init=True,
-                weight_transfer_config={"backend": self.weight_transfer},
-                **engine_kwargs,
-            )
+            try:
+                self.llm = vllm.LLM(
+                    model=model_path,
+                    dtype=dtype,
+                    seed=seed,
+                    skip_tokenizer_init=True,
+                    weight_transfer_config={"backend": self.weight_transfer},
+                    **engine_kwargs,
+                )
+            except Exception as err:
+                raise engine_start_error(err, engine_kwargs, on_gpu) from err
         parallel = self.llm.llm_engine.vllm_config.parallel_config
         self._transfer = EngineWeightTransfer(
             OfflineClient(self.llm),

@@ -20,6 +20,7 @@ from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.engine_memory import EngineMemory, cpu_engine_defaults, job_engine_memory
 
 OWN_KEYS = frozenset({"weight_transfer", "servers", "token_file"})
 """[rollout.vllm] keys that are ours: how weights travel, which servers, where the token is."""
@@ -113,9 +114,22 @@ def server_command(
         "--enable-scale-out",  # token-in/token-out: /inference/v1/generate
         "--weight-transfer-config", json.dumps({"backend": backend}),
     ]  # fmt: skip
-    argv += engine_flags({k: v for k, v in config.rollout.vllm.items() if k != "max_model_len"})
+    engine = {k: v for k, v in config.rollout.vllm.items() if k != "max_model_len"}
+    if not on_gpu:
+        engine |= cpu_engine_defaults(engine, _server_memory(config))
+    argv += engine_flags(engine)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if token is not None:
         argv += ["--middleware", MIDDLEWARE]
         env[TOKEN_ENV] = token
     return argv, env
+
+
+def _server_memory(config: Config) -> EngineMemory:
+    """A CPU server's share of a step: its prompts (they go round-robin over the servers), each
+    with its group."""
+    from titan_learner.job.vllm_checks import learner_hf_config
+
+    servers = len(config.rollout.vllm.get("servers") or [None])
+    rows = -(-config.rollout.prompts_per_step // servers) * config.rollout.group_size
+    return job_engine_memory(config, learner_hf_config(config), rows=rows)
