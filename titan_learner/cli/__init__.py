@@ -22,11 +22,16 @@ RANK0_GRACE_S = 5.0
 INTERRUPTED = 130  # what a shell reports for Ctrl-C
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
-    """`--config FILE` (required unless `default`) and repeatable `--set SECTION.KEY=VALUE`;
-    shared by the subcommands and the scripts under scripts/."""
+def add_config_arguments(
+    parser: argparse.ArgumentParser, default: str | None = None, required: bool = True
+) -> None:
+    """`--config FILE` (required unless `default`, or `required=False`: the command checks) and
+    repeatable `--set SECTION.KEY=VALUE`; shared by the subcommands and the scripts."""
     parser.add_argument(
-        "--config", required=default is None, default=default, help="the run's TOML file"
+        "--config",
+        required=required and default is None,
+        default=default,
+        help="the run's TOML file",
     )
     parser.add_argument(
         "--set",
@@ -81,7 +86,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="validate a config and print what it resolves to (builds nothing)",
         description="Validate a config; print the resolved config, mesh, size and memory.",
     )
-    add_config_arguments(check)
+    add_config_arguments(check, required=False)
+    check.add_argument(
+        "--explain",
+        metavar="KEY",
+        help="describe one key (type, default, allowed values, meaning) and exit, e.g. "
+        "--explain rollout.group_size; docs/config.md has them all",
+    )
     check.add_argument(
         "--world-size",
         type=int,
@@ -201,6 +212,17 @@ def _check(args: argparse.Namespace) -> int:
     from titan_learner.cli.check import plan, render
     from titan_learner.config.toml import load_config
 
+    if args.explain is not None:
+        from titan_learner.config.reference import explain
+
+        try:
+            print(explain(args.explain))
+        except ConfigError as err:
+            return _error(err)
+        return 0
+    if args.config is None:
+        print("error: check needs --config FILE (or --explain KEY)", file=sys.stderr)
+        return USER_ERROR
     if args.world_size < 1:
         print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return USER_ERROR

@@ -30,6 +30,7 @@ class LossKey:
     kind: Any
     limits: Mapping[str, Any] = field(default_factory=dict)
     refused: Mapping[str, str] = field(default_factory=dict)
+    doc: str = ""  # its meaning, for docs/config.md and `check --explain`
 
 
 AGGREGATIONS = ("token_mean", "prompt_mean")

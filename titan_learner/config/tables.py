@@ -22,25 +22,25 @@ from titan_learner.config.errors import (
 )
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+        return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
     if origin is tuple:
         args = typing.get_args(tp)
         if len(set(args)) == 1:
             plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
-            return f"an array of {len(args)} {plural.get(args[0], _type_name(args[0]))}"
-        return "an array of " + ", ".join(_type_name(a) for a in args)
+            return f"an array of {len(args)} {plural.get(args[0], type_name(args[0]))}"
+        return "an array of " + ", ".join(type_name(a) for a in args)
     if origin is dict:
         return "a table"
     if origin is list:
         (item,) = typing.get_args(tp)
         if dataclasses.is_dataclass(item):
             return "an array of tables"
-        return f"an array of {_type_name(item).removeprefix('a ').removeprefix('an ')}s"
+        return f"an array of {type_name(item).removeprefix('a ').removeprefix('an ')}s"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -65,7 +65,7 @@ def _convert(value: Any, tp: Any, path: tuple[str, ...], source: str) -> Any:
                 return _convert(value, arg, path, source)
             except ConfigError as err:
                 errors.append(err)
-        fail(_type_name(tp))
+        fail(type_name(tp))
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed or type(value) is not type(allowed[0]):
@@ -79,7 +79,7 @@ def _convert(value: Any, tp: Any, path: tuple[str, ...], source: str) -> Any:
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            fail(_type_name(tp))
+            fail(type_name(tp))
         return tuple(_convert(v, a, path, source) for v, a in zip(value, args, strict=False))
     if origin is dict:
         if not isinstance(value, dict):
@@ -88,7 +88,7 @@ def _convert(value: Any, tp: Any, path: tuple[str, ...], source: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            fail(_type_name(tp))
+            fail(type_name(tp))
         return [
             _convert(v, item, (*path[:-1], f"{path[-1]}[{i}]"), source) for i, v in enumerate(value)
         ]
