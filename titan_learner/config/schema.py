@@ -22,20 +22,32 @@ class ModelOverrides:
     """Shape overrides applied on top of the flavor (tiny test models, vocabulary changes)."""
 
     vocab_size: int | None = field(default=None, metadata=POSITIVE)
+    """Vocabulary size (embedding and output rows)."""
     dim: int | None = field(default=None, metadata=POSITIVE)
+    """Hidden size."""
     n_layers: int | None = field(default=None, metadata=POSITIVE)
+    """Number of transformer blocks."""
     n_heads: int | None = field(default=None, metadata=POSITIVE)
+    """Attention (query) heads."""
     n_kv_heads: int | None = field(default=None, metadata=POSITIVE)
+    """Key/value heads (grouped-query attention); default: n_heads."""
     head_dim: int | None = field(default=None, metadata=POSITIVE)
+    """Per-head width (qwen3); default: dim / n_heads."""
     hidden_dim: int | None = field(default=None, metadata=POSITIVE)
+    """Feed-forward (SwiGLU) width."""
     max_seq_len: int | None = field(default=None, metadata=POSITIVE)
+    """Positions the RoPE tables cover: the longest prompt + completion must fit."""
     rope_theta: float | None = field(default=None, metadata={"min": 1.0})
+    """RoPE base frequency."""
 
 
 @dataclass
 class ModelSection:
     name: Literal["llama3", "qwen3"] = "llama3"
+    """The TorchTitan model family: its registry, sharding plan and state-dict adapter."""
     flavor: str = "debugmodel"
+    """A TorchTitan flavor of the family (e.g. "8B"). With hf_checkpoint it may be left out
+    (the directory's config.json gives the architecture); where given it must agree with it."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """auto: flex attention on CUDA (SDPA with [learner] share_prompts), SDPA (causal) on CPU
     where flex has no backward."""
@@ -50,35 +62,53 @@ class ModelSection:
 @dataclass
 class ParallelismSection:
     dp_replicate: int = field(default=1, metadata=POSITIVE)
+    """HSDP: data-parallel replicas, each holding a dp_shard-sharded copy."""
     dp_shard: int = field(
         default=-1, metadata={"min": -1, "not": (0,), "allowed": "-1 (fill the world) or >= 1"}
     )
     """-1 fills the world: world_size / (dp_replicate * tp)."""
     tp: int = field(default=1, metadata=POSITIVE)
+    """Tensor-parallel degree (TorchTitan's plan for the family); the ranks of a TP group
+    train on one batch."""
     sequence_parallel: bool = True
+    """With tp > 1: also shard norms and activations along the sequence (TorchTitan's SP)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP2's reshard_after_forward as TorchTitan sets it: default (free gathered
+    parameters after forward, except the last block's), always, or never (faster, more memory)."""
     param_dtype: Dtype = "float32"
+    """FSDP mixed precision: the dtype parameters are gathered in for forward and
+    backward; the sharded masters and the optimizer stay float32."""
     reduce_dtype: Literal["float32"] = "float32"
+    """The dtype of the gradient reduction across data-parallel ranks."""
 
 
 @dataclass
 class ActivationCheckpointSection:
     mode: Literal["none", "full", "selective"] = "none"
+    """TorchTitan's activation checkpointing: none, full (each block recomputed in
+    backward) or selective (its per-op policy)."""
 
 
 @dataclass
 class CompileSection:
     enable: bool = False
+    """torch.compile each transformer block (TorchTitan's per-block compile)."""
     backend: str = "inductor"
+    """The torch.compile backend."""
 
 
 @dataclass
 class OptimizerSection:
     name: Literal["AdamW", "Adam"] = "AdamW"
+    """torch's AdamW or Adam, in TorchTitan's optimizer container."""
     lr: float = field(default=1e-5, metadata={"min": 0.0})
+    """Peak learning rate (after warmup)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's (beta1, beta2)."""
     eps: float = field(default=1e-8, metadata={"min": 0.0})
+    """Adam's epsilon."""
     weight_decay: float = field(default=0.0, metadata={"min": 0.0})
+    """Weight decay (decoupled in AdamW; added to the gradient in Adam)."""
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     """auto: fused on CUDA, foreach on CPU (fused runs there too, 3x faster at 21 M parameters,
     but parts the embedded default's trajectory from the one its numbers were measured with:
@@ -88,19 +118,26 @@ class OptimizerSection:
 @dataclass
 class LRSchedulerSection:
     warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    """Linear warmup to lr over this many steps (TorchTitan's scheduler)."""
     decay: Literal["none", "linear", "sqrt", "cosine"] = "none"
+    """After warmup: constant (none), or a decay to min_lr_factor x lr by [run] steps."""
     min_lr_factor: float = field(default=0.0, metadata={"min": 0.0, "max": 1.0})
+    """The learning rate at the end of the decay, as a fraction of lr."""
 
 
 @dataclass
 class LearnerSection:
     grad_accum_steps: int = field(default=1, metadata=POSITIVE)
+    """Micro-batches per optimizer step: the gradient reduction across ranks runs once, on
+    the last, and the step's loss is the mean over all its tokens whatever the split."""
     clip_norm: float = field(default=1.0, metadata={"min": 0.0})
     """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still reported)."""
     mixed_precision: bool = False
     """Autocast the forward pass to autocast_dtype (on top of FSDP's param_dtype)."""
     autocast_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """The dtype of mixed_precision's autocast."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: the rank's CUDA device where there is one (NCCL), else the CPU (gloo)."""
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """dtype of exported weights (get_weights, iter_weights, sinks): rollout engines run bf16."""
     logprob_chunk_size: int = field(default=1024, metadata=NON_NEGATIVE)
@@ -180,6 +217,7 @@ class DataSection:
     train_files: list[str] = field(default_factory=list)
     """Local JSONL, JSON (an array of objects) or Parquet files of prompts."""
     eval_files: list[str] = field(default_factory=list)
+    """Prompt files of the evaluation, in train_files' format; none: no evaluation."""
     prompt_key: str = "prompt"
     """The column holding the prompt text (rendered as one user message)."""
     messages_key: str | None = None
@@ -187,7 +225,10 @@ class DataSection:
     answer_key: str = "answer"
     """The column rewards compare against (any value; rows without it are an error)."""
     system_prompt: str | None = None
+    """A system message before every prompt (through the chat template)."""
     max_prompt_tokens: int = field(default=1024, metadata=POSITIVE)
+    """The longest prompt in tokens after the chat template (see overlong); with
+    max_new_tokens it sizes the engines' context."""
     overlong: Literal["error", "skip"] = "error"
     """A prompt longer than max_prompt_tokens: stop with its row number, or skip it (counted)."""
 
@@ -223,6 +264,7 @@ class EvalSection:
     samples_per_prompt: int = field(default=4, metadata=POSITIVE)
     """k: pass@k is estimated from k samples per prompt."""
     temperature: float = field(default=1.0, metadata={"min": 0.0})
+    """Sampling temperature of the evaluation."""
     max_new_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """0: [rollout] max_new_tokens."""
     max_prompts: int = field(default=0, metadata=NON_NEGATIVE)
@@ -244,11 +286,16 @@ class RunSection:
     seed: int = field(default=0, metadata={"min": 0, "max": 2**31 - 1})
     """Seeds every random stream of the run (derived seeds must fit torch's 64 bits)."""
     steps: int = field(default=10, metadata=POSITIVE)
+    """Optimizer steps of the run (also the horizon of [lr_scheduler] decay)."""
     output_dir: str = "outputs/run"
+    """Where the run writes metrics.jsonl, samples.jsonl, eval/, checkpoints/ and
+    curves.png; the run owns it while it runs (a lock)."""
     batch_size: int = field(default=8, metadata=POSITIVE)
     """Sequences per rank per update of the benchmarks' synthetic batches (scripts/bench_*.py);
     the GRPO job sizes its batches from [rollout]."""
     seq_len: int = field(default=32, metadata={"min": 2})
+    """Longest row of the benchmarks' synthetic batches (scripts/bench_*.py), and TorchTitan's
+    TrainingConfig.seq_len; the GRPO job sizes its rows from [data] and [rollout]."""
     log_samples_every: int = field(default=10, metadata=NON_NEGATIVE)
     """Every N steps, a few (prompt, completion, rewards) rows to samples.jsonl (0: never)."""
     lock_stale_after_s: float = field(default=300.0, metadata={"min": 10.0})
