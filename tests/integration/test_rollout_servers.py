@@ -250,12 +250,23 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
         return generator.generate(prompts, 1, 6, 0.0, torch.Generator().manual_seed(0))
 
     served = greedy()
+    logs = [root / f"server{i}.log" for i in range(len(urls))]
+    before = [log.stat().st_size for log in logs]
     tamper_in_transit(monkeypatch, generator._transfer.engine)
     with pytest.raises(WeightsError, match=r"refused export v11.*checksum mismatch"):
         generator.load_weights(weights, version=11)
     assert [served_version(url) for url in urls] == ["10", "10"]
+    for log, start in zip(logs, before, strict=True):  # the servers' side: no traceback
+        with log.open() as file:
+            file.seek(start)
+            since = file.read()
+        refused = [line for line in since.splitlines() if "weight update refused" in line]
+        assert refused and all("export v11: checksum mismatch" in line for line in refused), since
+        assert "Traceback" not in since, since
     again = greedy()
     assert torch.equal(again.completion_tokens, served.completion_tokens)
-    assert torch.equal(again.completion_log_probs, served.completion_log_probs)
+    torch.testing.assert_close(
+        again.completion_log_probs, served.completion_log_probs, atol=0, rtol=0, equal_nan=True
+    )  # NaN past each completion's end
     assert again.weights_version == 10
     generator.close()

@@ -205,7 +205,7 @@ def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weight
     wrong_shape = [(n, t[..., :1].contiguous()) for n, t in weights]
     with pytest.raises(WeightsError, match="nothing was copied"):
         engine.load_weights(wrong_shape, version=99)  # checked before anything is sent
-    with pytest.raises(WeightsError, match="does not fit the served model, nothing was swapped"):
+    with pytest.raises(WeightsError, match="nothing was swapped: export v99 does not fit the"):
         engine._transfer.send(wrong_shape, 99)  # the workers' own check, past the trainer's
     renamed = [(n.replace("model.", "net.", 1), t) for n, t in weights]
     with pytest.raises(WeightsError, match=r"unknown names .*net\.embed_tokens\.weight"):

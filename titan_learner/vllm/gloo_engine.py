@@ -25,6 +25,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from titan_learner.model.hf_config import hf_parameter_shapes
 from titan_learner.vllm.gloo_wire import GlooInitInfo, GlooUpdateInfo
+from titan_learner.vllm.refusals import REFUSED
 from titan_learner.weights.export import WeightsManifest
 from titan_learner.weights.matching import WeightsError, match_named_tensors
 from titan_learner.weights.sinks import verify
@@ -85,6 +86,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             return
         try:
             self._check(update_info)
+        except WeightsError as err:
+            self._drop()
+            raise WeightsError(f"{REFUSED}{err}") from None
         except BaseException:
             self._drop()
             raise
@@ -106,8 +110,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self._staged is None or self._staged_version != manifest.version:
             raise WeightsError(
                 f"manifest of v{manifest.version} but this worker received "
-                f"{'nothing' if self._staged is None else f'v{self._staged_version}'}; "
-                "nothing was swapped"
+                f"{'nothing' if self._staged is None else f'v{self._staged_version}'}"
             )
         verify(self._staged, _manifest(manifest))
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in self._staged]
@@ -119,8 +122,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             shapes,
             required=required,
             receiver="the served model",
-            rejected=f"export v{manifest.version} does not fit the served model, nothing was "
-            "swapped",
+            rejected=f"export v{manifest.version} does not fit the served model",
         )
         self._verified = True
 
@@ -128,7 +130,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         staged, verified = self._staged, self._verified
         self._drop()
         if staged is None or not verified:
-            raise WeightsError("finish without an accepted manifest: nothing was swapped")
+            raise WeightsError(f"{REFUSED}finish without an accepted manifest")
         self._swap(staged)
 
     def _swap(self, staged: list[tuple[str, torch.Tensor]]) -> None:

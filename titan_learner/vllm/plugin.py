@@ -4,7 +4,8 @@
 one of its processes (API server, engine core, workers) before it builds a worker, so an engine
 started with `weight_transfer_config={"backend": "gloo"}` finds the backend without any code of
 ours on its command line. The trainer calls it too before it asks the trainer factory. vLLM may
-load plugins more than once in a process: registering is idempotent.
+load plugins more than once in a process: registering is idempotent. It also makes a refused
+weight update one line in that process's log (`refusals`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ def register() -> None:
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
+
+    from titan_learner.vllm.refusals import quiet_refusals
+
+    quiet_refusals()
 
     if GLOO not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
