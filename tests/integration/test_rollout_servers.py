@@ -94,21 +94,10 @@ def servers(tmp_path_factory):
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     config = config_from_dict(tables(root, urls, steps=3), str(root / "run.toml"))
     (root / "run.toml").write_text(config_to_toml(config))
-    env = {**os.environ, "TITAN_LEARNER_SERVER_TOKEN": TOKEN}
-    processes = [
-        subprocess.Popen(
-            [*SERVE, "--config", "run.toml", "--port", url.rsplit(":", 1)[1]],
-            cwd=root,
-            env=env,
-            stdout=(root / f"server{i}.log").open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for i, url in enumerate(urls)
-    ]
+    processes = [start_server(root, url, i) for i, url in enumerate(urls)]
     try:
         wait_until_healthy(urls, processes, root)
-        yield root, urls
+        yield root, urls, processes  # a test may replace a server it killed
     finally:
         for process in processes:
             if process.poll() is None:
@@ -118,6 +107,18 @@ def servers(tmp_path_factory):
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+def start_server(root: Path, url: str, i: int, log: str = "w") -> subprocess.Popen:
+    """`titan-learner serve` for the run's config on `url`'s port, logging to server{i}.log."""
+    return subprocess.Popen(
+        [*SERVE, "--config", "run.toml", "--port", url.rsplit(":", 1)[1]],
+        cwd=root,
+        env={**os.environ, "TITAN_LEARNER_SERVER_TOKEN": TOKEN},
+        stdout=(root / f"server{i}.log").open(log),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def wait_until_healthy(urls: list[str], processes: list, root: Path) -> None:
@@ -144,7 +145,7 @@ def authorized() -> dict:
 
 
 def test_every_route_but_health_needs_the_token(servers):
-    _, urls = servers
+    _, urls, _ = servers
     for url in urls:
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
         for method, route in GUARDED:
@@ -188,7 +189,7 @@ def server_job(rank: int, root: str, urls: list[str], overrides: dict, ahead: bo
 
 @pytest.fixture(scope="module")
 def job(servers):
-    root, urls = servers
+    root, urls, _ = servers
     before = [requests_served(url) for url in urls]
     histories = run_world(2, server_job, str(root), urls, MODEL_OVERRIDES)
     ahead = run_world(1, server_job, str(root), urls, MODEL_OVERRIDES, True)
@@ -270,3 +271,65 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
     )  # NaN past each completion's end
     assert again.weights_version == 10
     generator.close()
+
+
+KILLER = """
+import os, signal
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def score(prompt, completion, row):
+    \"\"\"The length reward; rank 0's call number KILL_AT SIGKILLs the server in kill.pid.\"\"\"
+    if os.environ.get("RANK") == "0" and (HERE / "kill.pid").exists():
+        with open(HERE / "calls", "a") as calls:  # a count any process can keep
+            calls.write(".")
+        if (HERE / "calls").stat().st_size == KILL_AT:
+            os.killpg(int((HERE / "kill.pid").read_text()), signal.SIGKILL)
+    return min(len(completion), 20) / 20
+"""
+
+
+def test_a_server_killed_mid_run_is_one_line_and_resume_repeats_the_run_exactly(servers, job):
+    """Last in the module: it kills server 1 and starts another in its place. Rank 0's reward
+    kills it while scoring step 3 (after the step-2 checkpoint), so the step's push fails; the
+    job under torchrun ends with one line naming the server; with the server back, the same
+    command with --resume redoes step 3 as the uninterrupted run did it."""
+    root, urls, processes = servers
+    _, _, _, results = job
+    # calls on rank 0 before step 3: eval at step 0 (2 prompts x 2 samples), steps 1 and 2
+    # (2 prompts x 4 completions each); the 21st is step 3's first
+    (root / "killer.py").write_text(KILLER.replace("KILL_AT", "21"))
+    (root / "kill.pid").write_text(str(processes[1].pid))
+    crash = tables(root, urls, steps=3)
+    crash["run"]["output_dir"] = str(root / "crash")
+    crash["checkpoint"] = {"interval": 1}
+    crash["reward"][1] = {"function": "killer.py:score", "name": "length", "weight": 0.1}
+    (root / "crash.toml").write_text(config_to_toml(config_from_dict(crash, "crash.toml")))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "titan_learner", "train", "--config", "crash.toml",
+    ]  # fmt: skip
+    env = {**os.environ, "TITAN_LEARNER_SERVER_TOKEN": TOKEN}
+    died = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    output = died.stdout + died.stderr
+    assert died.returncode != 0 and processes[1].wait(timeout=60) == -signal.SIGKILL, output
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: rollout server {urls[1]} "), output
+    assert "titan_learner/" not in output, "no traceback through the project's code"
+    assert (root / "crash/checkpoints/latest").read_text().strip() == "step-2"
+    (root / "kill.pid").unlink()
+    processes[1] = start_server(root, urls[1], 1, log="a")
+    wait_until_healthy(urls, processes, root)
+    resumed = subprocess.run(
+        [*command, "--resume"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    rows = [json.loads(line) for line in (root / "crash/metrics.jsonl").read_text().splitlines()]
+    steps = {row["step"]: row for row in rows if "training/loss_objective" in row}
+    assert sorted(steps) == [1, 2, 3]
+    for key in ("reward_mean", "response_length_mean", "loss_objective", "grad_norm"):
+        for step, expected in enumerate(results["history"], start=1):
+            got = steps[step][f"training/{key}"]
+            assert got == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (step, key)
