@@ -31,7 +31,7 @@ _EXPORTS = {
     "ConfigError": "titan_learner.config.errors",
     "load_config": "titan_learner.config.toml",
     "config_from_dict": "titan_learner.config.toml",
-    "validate": "titan_learner.config.validate",
+    "validate": "titan_learner.job.validate",
     # learner
     "Learner": "titan_learner.learner.contract",
     "Capabilities": "titan_learner.learner.contract",
@@ -122,7 +122,7 @@ if TYPE_CHECKING:
     from titan_learner.config.errors import ConfigError
     from titan_learner.config.schema import Config
     from titan_learner.config.toml import config_from_dict, load_config
-    from titan_learner.config.validate import validate
+    from titan_learner.job.validate import validate
     from titan_learner.learner.batch import (
         ADVANTAGE_KEY,
         ASSISTANT_MASK_KEY,

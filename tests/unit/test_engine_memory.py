@@ -14,7 +14,7 @@ from transformers import LlamaConfig, Qwen3Config
 from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import config_from_dict
-from titan_learner.config.validate import validate
+from titan_learner.job.validate import validate
 from titan_learner.vllm.engine_memory import cpu_engine_defaults, engine_memory, kv_bytes_per_token
 
 QWEN3_8B = Qwen3Config(

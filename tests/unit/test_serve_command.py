@@ -107,7 +107,7 @@ def test_dry_run_prints_a_command_a_shell_runs_as_is():
 )
 def test_bad_server_lists_are_one_line(servers, message):
     from titan_learner.config.errors import ConfigError
-    from titan_learner.config.validate import validate
+    from titan_learner.job.validate import validate
 
     with pytest.raises(ConfigError) as info:
         validate(toy(f"rollout.vllm.servers={servers}"), world_size=1, on_this_machine=False)
@@ -117,7 +117,7 @@ def test_bad_server_lists_are_one_line(servers, message):
 
 def test_rollouts_ahead_on_several_ranks_with_servers_are_refused():
     from titan_learner.config.errors import ConfigError
-    from titan_learner.config.validate import validate
+    from titan_learner.job.validate import validate
 
     config = toy(SERVERS, "rollout.max_off_policy_steps=1", "parallelism.dp_shard=2")
     with pytest.raises(ConfigError) as info:

@@ -12,7 +12,7 @@ from tests.support.hf_dirs import make_model_dir
 from tests.support.vllm import needs_vllm
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
-from titan_learner.config.validate import validate
+from titan_learner.job.validate import validate
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from titan_learner.config.schema import Config
 from titan_learner.config.toml import config_to_toml
-from titan_learner.config.validate import Validated, validate
+from titan_learner.job.validate import Validated, validate
 
 GIB = 1024**3
 

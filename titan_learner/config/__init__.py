@@ -1,4 +1,5 @@
-"""The run's TOML file: schema, reading and writing it, and every check it gets."""
+"""The run's TOML file: schema, reading and writing it, and the checks of the file alone (every
+check a run gets before any compute: `titan_learner.job.validate`)."""
 
 from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.schema import SECTIONS, Config, LossSection, ModelSection
@@ -8,9 +9,8 @@ from titan_learner.config.toml import (
     config_from_dict,
     config_to_toml,
     load_config,
-    save_resolved_config,
 )
-from titan_learner.config.validate import Validated, check_world_size, validate
+from titan_learner.config.validate import check_world_size
 
 __all__ = [
     "RESOLVED_CONFIG",
@@ -19,13 +19,10 @@ __all__ = [
     "ConfigError",
     "LossSection",
     "ModelSection",
-    "Validated",
     "apply_overrides",
     "check_world_size",
     "config_from_dict",
     "config_to_toml",
     "did_you_mean",
     "load_config",
-    "save_resolved_config",
-    "validate",
 ]

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan_learner.config.schema import Config
-from titan_learner.config.validate import validate
 from titan_learner.data.loader import Prompt, PromptLoader, load_prompts, rank_slice
 from titan_learner.data.tokenizer import PromptTokenizer, load_tokenizer
 from titan_learner.job.collectives import (
@@ -38,6 +37,7 @@ from titan_learner.job.collectives import (
 )
 from titan_learner.job.run_directory import Resume, RunDirectory
 from titan_learner.job.scoring import score_rollout
+from titan_learner.job.validate import validate
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import Reward, build_rewards
 
@@ -102,8 +102,8 @@ def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
 
 def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dict):
     """Each rank's own in-process vLLM engine, on the rank's device."""
-    from titan_learner.job.checks import longest_sequence
-    from titan_learner.job.vllm_checks import engine_model_path, engine_rows
+    from titan_learner.config.derived import engine_model_path, longest_sequence
+    from titan_learner.job.vllm_checks import engine_rows
     from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.vllm import VLLMGenerator
     from titan_learner.vllm.engine_memory import cpu_engine_defaults, job_engine_memory
