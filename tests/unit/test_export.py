@@ -27,14 +27,10 @@ from transformers import AutoModelForCausalLM
 from tests.support.hf_dirs import make_model_dir
 from tests.support.models import VOCAB, batches, tiny_config
 from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
+from titan_learner.checkpoint.layout import save_resolved_config
 from titan_learner.cli import main
 from titan_learner.config.errors import ConfigError
-from titan_learner.config.toml import (
-    config_from_dict,
-    config_to_toml,
-    load_config,
-    save_resolved_config,
-)
+from titan_learner.config.toml import config_from_dict, config_to_toml, load_config
 from titan_learner.dtypes import DTYPE_NAMES, parse_dtype
 from titan_learner.learner.local import LocalLearner
 from titan_learner.model.hf_config import hf_config

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.support.models import batches, tiny_config
+from titan_learner.checkpoint.layout import save_resolved_config
 from titan_learner.config.errors import ConfigError
-from titan_learner.config.toml import save_resolved_config
 from titan_learner.job.resume import check_resume, config_changes, touches_hyperparameters
 from titan_learner.learner.local import LocalLearner
 

@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 
 from titan_learner.checkpoint.errors import CheckpointError
+from titan_learner.config.schema import Config
+from titan_learner.config.toml import RESOLVED_CONFIG, resolved_config_text
 from titan_learner.files import TMP_SUFFIX, atomic_write_text, fsync_dir
 
 LATEST = "latest"
@@ -150,3 +152,11 @@ def resolve(root: str | os.PathLike, step: int | None = None) -> Path:
             "that wrote it did not finish, or the file was removed)"
         )
     return path
+
+
+def save_resolved_config(config: Config, directory: str | os.PathLike) -> Path:
+    """Write the run's resolved config to `directory/config.toml` atomically (a reader sees
+    the previous file or the new one, whole); return its path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(directory / RESOLVED_CONFIG, resolved_config_text(config))

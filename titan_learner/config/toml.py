@@ -8,7 +8,6 @@ root holds the resolved config of the run that wrote it.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -18,7 +17,6 @@ from titan_learner.config.errors import ConfigError, describe_location, did_you_
 from titan_learner.config.schema import ARRAY_SECTIONS, SECTIONS, Config
 from titan_learner.config.tables import build_dataclass
 from titan_learner.config.validate import validate_fields
-from titan_learner.files import atomic_write_text
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -142,17 +140,13 @@ def config_to_toml(config: Config) -> str:
     return "\n".join(tables)
 
 
-def save_resolved_config(config: Config, directory: str | os.PathLike) -> Path:
-    """Write `config_to_toml(config)` to `directory/config.toml` atomically; return its path.
-
-    A reader sees the previous file or the new one, whole.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+def resolved_config_text(config: Config) -> str:
+    """The text of a run's `config.toml`: `config_to_toml(config)` under a line saying where
+    it came from (written by `titan_learner.checkpoint.layout.save_resolved_config`)."""
     source = _toml_string(config.source)  # one line, whatever the path holds
-    text = f"# The resolved config of this run (from {source}); read by `export`.\n"
-    text += config_to_toml(config) + "\n"
-    return atomic_write_text(directory / RESOLVED_CONFIG, text)
+    return f"# The resolved config of this run (from {source}); read by `export`.\n" + (
+        config_to_toml(config) + "\n"
+    )
 
 
 _NO_DEFAULT = object()

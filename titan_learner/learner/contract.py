@@ -504,7 +504,7 @@ class Learner:
         holds even without its `hf_checkpoint` (`python -m titan_learner export` reads them).
         """
         from titan_learner import checkpoint
-        from titan_learner.config.toml import save_resolved_config
+        from titan_learner.checkpoint.layout import save_resolved_config
         from titan_learner.model.architecture_record import record_architecture
 
         if rank() == 0:
