@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from titan_learner.config.derived import longest_sequence
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.data.errors import DataError
@@ -87,13 +88,6 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
         )
     if config.rollout.generator == "vllm":
         check_vllm_structure(config, data_parallel)
-
-
-def longest_sequence(config: Config) -> int:
-    """The most positions a prompt and its completion take, in training or evaluation."""
-    return config.data.max_prompt_tokens + max(
-        config.rollout.max_new_tokens, config.eval.max_new_tokens
-    )
 
 
 def check_sequence_length(config: Config, max_seq_len: int) -> None:

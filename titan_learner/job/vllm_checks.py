@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from titan_learner.config.derived import engine_model_path
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
+from titan_learner.model.hf_config import learner_hf_config
 from titan_learner.vllm.backends import WEIGHT_TRANSFERS
 from titan_learner.vllm.serve import OWN_KEYS
 
@@ -19,12 +21,6 @@ RESERVED_ENGINE_KEYS = {
     "skip_tokenizer_init": "titan_learner (prompts arrive as token ids)",
     "weight_transfer_config": "[rollout.vllm] weight_transfer",
 }
-
-
-def engine_model_path(config: Config) -> str | None:
-    """The HF directory the engines start from: [rollout] model_path, else [model]
-    hf_checkpoint (both relative to the directory the job is launched from)."""
-    return config.rollout.model_path or config.model.hf_checkpoint
 
 
 def check_vllm_structure(config: Config, data_parallel: int = 1) -> None:
@@ -241,15 +237,3 @@ def _check_engine_model(config: Config) -> None:
 
 def _shape(shape) -> str:
     return "absent" if shape is None else str(tuple(shape))
-
-
-def learner_hf_config(config: Config):
-    """The transformers config of the learner's model (the engines serve the same shapes),
-    from the config alone: no weights, no engine directory."""
-    from titan_learner.model.hf_config import hf_config
-    from titan_learner.model.parallelize import prepare_model_config
-    from titan_learner.model.spec import model_spec
-
-    spec = model_spec(config.model, "sdpa", config.source)
-    prepare_model_config(spec, config)
-    return hf_config(spec)

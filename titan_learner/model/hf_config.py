@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
     from transformers import PretrainedConfig
 
+    from titan_learner.config.schema import Config
+
 
 def rope_parameters(rope) -> dict:
     """TorchTitan's RoPE config as transformers' `rope_parameters`."""
@@ -82,3 +84,14 @@ def hf_parameter_shapes(config: Any) -> tuple[dict[str, torch.Size], list[str]]:
         if isinstance(t, nn.Parameter)
     }
     return shapes, [name for name, _ in model.named_parameters()]
+
+
+def learner_hf_config(config: Config) -> Any:
+    """The transformers config of the learner's model (the engines serve the same shapes),
+    from the config alone: no weights, no engine directory."""
+    from titan_learner.model.parallelize import prepare_model_config
+    from titan_learner.model.spec import model_spec
+
+    spec = model_spec(config.model, "sdpa", config.source)
+    prepare_model_config(spec, config)
+    return hf_config(spec)

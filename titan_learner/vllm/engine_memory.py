@@ -68,7 +68,7 @@ def engine_memory(
 
 def job_engine_memory(config: Config, hf_config: Any, *, rows: int) -> EngineMemory:
     """One engine of the job's, sampling `rows` sequences of a step at once."""
-    from titan_learner.job.checks import longest_sequence
+    from titan_learner.config.derived import longest_sequence
 
     max_model_len = config.rollout.vllm.get("max_model_len", longest_sequence(config))
     dtype = DTYPES[config.learner.export_dtype]

@@ -70,8 +70,7 @@ def server_command(
     config: Config, *, host: str, port: int, on_gpu: bool, python: str
 ) -> tuple[list[str], dict[str, str]]:
     """The server's argv and the variables to add to its environment."""
-    from titan_learner.job.checks import longest_sequence
-    from titan_learner.job.vllm_checks import engine_model_path
+    from titan_learner.config.derived import engine_model_path, longest_sequence
 
     where = "[rollout.vllm] weight_transfer"
     try:
@@ -128,7 +127,7 @@ def server_command(
 def _server_memory(config: Config) -> EngineMemory:
     """A CPU server's share of a step: its prompts (they go round-robin over the servers), each
     with its group."""
-    from titan_learner.job.vllm_checks import learner_hf_config
+    from titan_learner.model.hf_config import learner_hf_config
 
     servers = len(config.rollout.vllm.get("servers") or [None])
     rows = -(-config.rollout.prompts_per_step // servers) * config.rollout.group_size
