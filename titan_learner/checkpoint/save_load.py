@@ -38,7 +38,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from titan_learner.checkpoint import async_save
 from titan_learner.checkpoint.agreement import (
     checkpoint_group,
     dcp_call,
@@ -46,7 +45,14 @@ from titan_learner.checkpoint.agreement import (
     join,
     on_rank0,
 )
-from titan_learner.checkpoint.async_save import AlreadyStaged, SaveHandle, on_cpu, then_commit
+from titan_learner.checkpoint.async_save import (
+    AlreadyStaged,
+    SaveHandle,
+    on_cpu,
+    set_pending,
+    then_commit,
+    wait_for_pending_save,
+)
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.layout import commit, prepare, step_dir, tmp_dir
 from titan_learner.checkpoint.packing import saved_unpacked, unpack_param_groups
@@ -257,7 +263,7 @@ def save(
     """
     _check_options(keep_latest_k, timeout)
     local = _checked_local(local) if local else None
-    async_save.wait_for_pending_save()
+    wait_for_pending_save()
     root, step = Path(directory), int(learner.step)
     operation = f"checkpoint save of step {step} to {root}"
     group = checkpoint_group(timeout)
@@ -292,7 +298,7 @@ def save(
         )
     future = then_commit(upload, commit_step, discard_step) if rank() == 0 else upload
     handle = SaveHandle(step_dir(root, step), operation, group, future)
-    async_save.set_pending(handle)
+    set_pending(handle)
     return handle
 
 
@@ -322,7 +328,7 @@ def load(
     saved by a world of this size (left empty otherwise, or when it holds none).
     """
     _check_options(0, timeout)
-    async_save.wait_for_pending_save()
+    wait_for_pending_save()
     root = Path(directory)
     operation = f"checkpoint load from {root}"
     group = checkpoint_group(timeout)
