@@ -9,50 +9,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from typing import TYPE_CHECKING
 
+from titan_learner.cli.common import (
+    INTERRUPTED,
+    USER_ERROR,
+    add_config_arguments,
+    config_from_arguments,
+    user_error,
+)
 from titan_learner.config.errors import ConfigError
 
-if TYPE_CHECKING:
-    from titan_learner.config.schema import Config
-
-USER_ERROR = 2
-RANK0_GRACE_S = 5.0
-INTERRUPTED = 130  # what a shell reports for Ctrl-C
-
-
-def add_config_arguments(
-    parser: argparse.ArgumentParser, default: str | None = None, required: bool = True
-) -> None:
-    """`--config FILE` (required unless `default`, or `required=False`: the command checks) and
-    repeatable `--set SECTION.KEY=VALUE`; shared by the subcommands and the scripts."""
-    parser.add_argument(
-        "--config",
-        required=required and default is None,
-        default=default,
-        help="the run's TOML file",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one key (a TOML value; a bare word is a string); repeatable",
-    )
-
-
-def config_from_arguments(args: argparse.Namespace) -> Config:
-    """The config `add_config_arguments` named; a bad one is one line on stderr and exit 2
-    (for the scripts under scripts/, which have no other way to report it)."""
-    from titan_learner.config.toml import load_config
-
-    try:
-        return load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+__all__ = ["add_config_arguments", "config_from_arguments", "main"]  # scripts/ use the first two
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -169,19 +136,6 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )
 
 
-def _error(err: Exception) -> int:
-    """One line on stderr, from one process: under torchrun every rank fails alike.
-
-    torchrun stops the other ranks as soon as one exits, so the other ranks give rank 0 a few
-    seconds to print its line first: otherwise a rank 0 a moment slower is stopped silently.
-    """
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(RANK0_GRACE_S)
-    return USER_ERROR
-
-
 def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -196,7 +150,7 @@ def _train(args: argparse.Namespace) -> int:
             # down while another still uses it (rank 0 drawing the curves) can abort at exit.
             dist.barrier()
     except _user_errors() as err:
-        return _error(err)
+        return user_error(err)
     except (KeyboardInterrupt, Preempted) as err:
         if os.environ.get("RANK", "0") == "0":
             why = "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err)
@@ -218,7 +172,7 @@ def _check(args: argparse.Namespace) -> int:
         try:
             print(explain(args.explain))
         except ConfigError as err:
-            return _error(err)
+            return user_error(err)
         return 0
     if args.config is None:
         print("error: check needs --config FILE (or --explain KEY)", file=sys.stderr)
@@ -232,7 +186,7 @@ def _check(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         print(render(config, plan(config, args.world_size)))
     except (ConfigError, DataError) as err:  # DataError: the prompts, as train reads them
-        return _error(err)
+        return user_error(err)
     return 0
 
 
@@ -245,6 +199,6 @@ def _export(args: argparse.Namespace) -> int:
             args.checkpoint, args.out, args.dtype, config=args.config, step=args.step
         )
     except (ConfigError, CheckpointError, ExportError) as err:
-        return _error(err)
+        return user_error(err)
     print(f"exported {args.checkpoint} to {out}")
     return 0

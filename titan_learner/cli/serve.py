@@ -9,7 +9,7 @@ import sys
 
 
 def add_serve_parser(commands) -> None:
-    from titan_learner.cli import add_config_arguments
+    from titan_learner.cli.common import add_config_arguments
 
     serve = commands.add_parser(
         "serve",
@@ -30,7 +30,7 @@ def add_serve_parser(commands) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from titan_learner.cli import _error
+    from titan_learner.cli.common import user_error
     from titan_learner.config.errors import ConfigError
     from titan_learner.config.toml import load_config
     from titan_learner.vllm.serve import server_command
@@ -42,7 +42,7 @@ def serve(args: argparse.Namespace) -> int:
             config, host=args.host, port=args.port, on_gpu=on_gpu, python=sys.executable
         )
     except ConfigError as err:
-        return _error(err)
+        return user_error(err)
     if args.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = args.gpus
     if args.dry_run:
