@@ -90,8 +90,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     export = commands.add_parser(
         "export",
-        help="write a checkpoint as a Hugging Face model directory (safetensors)",
-        description="Write a DCP checkpoint as a Hugging Face model directory.",
+        help="write a checkpoint as a Hugging Face model directory (safetensors, tokenizer)",
+        description="Write a DCP checkpoint as a Hugging Face model directory that transformers "
+        "and `vllm serve` load as it is: weights, config, the run's tokenizer and chat template, "
+        "generation config with the run's EOS ids.",
     )
     export.add_argument(
         "--checkpoint", required=True, help="checkpoint root (or one step directory)"
@@ -107,6 +109,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--step", type=int, default=None, help="step to export (default: the latest)"
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="split the safetensors into shards of at most this size, with an index "
+        "(bytes, or e.g. 500MB, 5GB; default: 5GB)",
     )
     from titan_learner.cli.serve import add_serve_parser
 
@@ -205,13 +213,23 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shard_size(value: str) -> int | str:
+    """`--max-shard-size` as save_pretrained takes it: a plain number is bytes."""
+    return int(value) if value.isdigit() else value
+
+
 def _export(args: argparse.Namespace) -> int:
     from titan_learner.checkpoint.errors import CheckpointError
     from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
 
     try:
         out = export_checkpoint(
-            args.checkpoint, args.out, args.dtype, config=args.config, step=args.step
+            args.checkpoint,
+            args.out,
+            args.dtype,
+            config=args.config,
+            step=args.step,
+            max_shard_size=_shard_size(args.max_shard_size),
         )
     except (ConfigError, CheckpointError, ExportError) as err:
         return _error(err)

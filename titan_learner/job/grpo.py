@@ -370,6 +370,7 @@ def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirect
 def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.checkpoint.async_save import wait_for_pending_save
     from titan_learner.checkpoint.layout import latest
+    from titan_learner.data.serving_files import record_serving_files
     from titan_learner.job.behaviour import BehaviourScorer
     from titan_learner.job.evaluation import evaluate
     from titan_learner.job.preemption import PreemptionGuard
@@ -438,8 +439,13 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
 
     history = []
     every = config.eval.every_steps
+    serving_recorded = False
 
     def save(asynchronous: bool, local: dict[str, torch.Tensor] | None = None) -> None:
+        nonlocal serving_recorded
+        if rank() == 0 and not serving_recorded:  # what `export` serves with: once a launch
+            record_serving_files(config, inputs.tokenizer, checkpoints)
+            serving_recorded = True
         learner.save(
             checkpoints,
             keep_latest_k=config.checkpoint.keep_latest_k,
