@@ -17,6 +17,7 @@ from tests.support.models import batches, learner_logits
 from tests.support.toy import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TOY
 from tests.support.vllm import ENGINE_SHAPE, needs_vllm
 from titan_learner.cli import main
+from titan_learner.config.schema import Config
 from titan_learner.config.toml import config_from_dict, load_config
 from titan_learner.job.grpo import run
 from titan_learner.learner.local import LocalLearner
@@ -35,21 +36,28 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-def test_the_toy_runs_export_loads_with_its_tokenizer_and_the_learners_logits(tmp_path):
-    """The embedded default trains from configs/toy's tokenizer (a relative path, which the
-    checkpoint's own config.toml no longer resolves): the job records it beside the steps."""
+def toy_run(tmp_path: Path, checkpointing: list[str]) -> Config:
+    """Two steps of the embedded default, small, into tmp_path/run; its config."""
     config = load_config(
         TOY_CONFIG,
         [
             "run.steps=2",
             f'run.output_dir="{tmp_path / "run"}"',
-            "checkpoint.interval=2",
             "rollout.prompts_per_step=4",
             "rollout.group_size=2",
             "eval.max_prompts=4",
+            *checkpointing,
         ],
     )
     run(config)
+    return config
+
+
+def test_the_toy_runs_export_loads_with_its_tokenizer_and_the_learners_logits(tmp_path):
+    """The embedded default trains from configs/toy's tokenizer (a relative path, which the
+    checkpoint's own config.toml no longer resolves): the job records it beside the steps.
+    """
+    config = toy_run(tmp_path, ["checkpoint.interval=2"])
     root, out = tmp_path / "run" / "checkpoints", tmp_path / "exp"
     export(root, out)
 
@@ -64,9 +72,27 @@ def test_the_toy_runs_export_loads_with_its_tokenizer_and_the_learners_logits(tm
     learner = LocalLearner(config)
     learner.load(str(root))
     tokens = torch.tensor([tokenizer("0412")["input_ids"], tokenizer("9735")["input_ids"]])
+    logits = hf_logits(out, tokens)
     torch.testing.assert_close(
-        hf_logits(out, tokens), learner_logits(learner, tokens), atol=LOGIT_TOLERANCE, rtol=0
+        logits, learner_logits(learner, tokens), atol=LOGIT_TOLERANCE, rtol=0
     )
+
+
+@pytest.mark.slow
+def test_export_hf_writes_each_saved_steps_export_beside_it_while_training_goes_on(tmp_path):
+    """export_hf with async_save: `step-<N>/hf` for every saved step, what the command writes."""
+    toy_run(
+        tmp_path,
+        ["checkpoint.interval=1", "checkpoint.async_save=true", "checkpoint.export_hf=true"],
+    )
+    root, out = tmp_path / "run" / "checkpoints", tmp_path / "exp"
+    export(root, out)
+    tokens = torch.tensor([[BOS_ID, 0, 4, 1, 2, SEP_ID]])
+    for step in (1, 2):
+        served = root / f"step-{step}" / "hf"
+        assert {p.name for p in served.iterdir()} == {p.name for p in out.iterdir()}, step
+        assert AutoTokenizer.from_pretrained(served)("0412")["input_ids"] == tokens[0].tolist()
+    assert torch.equal(hf_logits(root / "step-2" / "hf", tokens), hf_logits(out, tokens))
 
 
 @pytest.mark.slow

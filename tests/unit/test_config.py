@@ -61,6 +61,14 @@ BAD_CONFIGS = {
             f"allowed sections: {SECTIONS}"
         ),
     ),
+    "export_hf_without_saves": (
+        "[checkpoint]\nexport_hf = true\n",
+        [],
+        exact(
+            "[checkpoint] export_hf: export_hf = true exports each saved step, and interval = 0 "
+            "saves none; allowed: interval >= 1, or export_hf = false"
+        ),
+    ),
     "section_not_a_table": (
         "parallelism = 2\n",
         [],

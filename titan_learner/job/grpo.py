@@ -373,6 +373,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.data.serving_files import record_serving_files
     from titan_learner.job.behaviour import BehaviourScorer
     from titan_learner.job.evaluation import evaluate
+    from titan_learner.job.hf_exports import HFExports
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.resume import check_resume, touches_hyperparameters
@@ -441,18 +442,26 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     every = config.eval.every_steps
     serving_recorded = False
 
-    def save(asynchronous: bool, local: dict[str, torch.Tensor] | None = None) -> None:
+    exports = HFExports(checkpoints) if rank() == 0 and config.checkpoint.export_hf else None
+
+    def save(
+        asynchronous: bool, local: dict[str, torch.Tensor] | None = None, export: bool = False
+    ) -> None:
         nonlocal serving_recorded
         if rank() == 0 and not serving_recorded:  # what `export` serves with: once a launch
             record_serving_files(config, inputs.tokenizer, checkpoints)
             serving_recorded = True
-        learner.save(
+        if exports is not None:
+            exports.wait()  # the rotation of this save may remove the step being exported
+        handle = learner.save(
             checkpoints,
             keep_latest_k=config.checkpoint.keep_latest_k,
             asynchronous=asynchronous,
             extra={"data": loader.state_dict()},
             local=local,
         )
+        if exports is not None and export:
+            exports.after_save(handle, learner.step, asynchronous)
 
     def take_sample(prompts: list[Prompt], step: int) -> Sampled:
         rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
@@ -515,10 +524,12 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                             flush=True,
                         )
                     elif config.checkpoint.interval and step % config.checkpoint.interval == 0:
-                        save(asynchronous=config.checkpoint.async_save)
+                        save(asynchronous=config.checkpoint.async_save, export=True)
                 if stop:
                     break
             wait_for_pending_save()
+            if exports is not None:
+                exports.wait()
             rollouts.close()
     except BaseException:
         if rollouts is not None:
