@@ -71,6 +71,22 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in output_dir; `--resume auto`: also start "
         "fresh when it has none, for a first launch and every restart alike",
     )
+    shown = train.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--quiet",
+        action="store_const",
+        dest="verbosity",
+        const="quiet",
+        default="normal",
+        help="print no step and no evaluation (the files get them all)",
+    )
+    shown.add_argument(
+        "--verbose",
+        action="store_const",
+        dest="verbosity",
+        const="verbose",
+        help="print every metric every [logging] log_every steps (above the bar on a terminal)",
+    )
     train.add_argument(
         "--overwrite",
         action="store_true",
@@ -178,7 +194,12 @@ def _train(args: argparse.Namespace) -> int:
     from titan_learner.job.preemption import Preempted
 
     try:
-        run(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite)
+        run(
+            load_config(args.config, args.overrides),
+            resume=args.resume,
+            overwrite=args.overwrite,
+            verbosity=args.verbosity,
+        )
         if dist.is_initialized():
             # Every rank reaches the teardown together: a rank that tears its process group
             # down while another still uses it (rank 0 drawing the curves) can abort at exit.

@@ -261,6 +261,13 @@ class RunSection:
 
 
 @dataclass
+class LoggingSection:
+    log_every: int = field(default=1, metadata=POSITIVE)
+    """Off a terminal (a log file, CI): the plain metrics line every N steps (and always the
+    last). On a terminal the progress bar shows every step; `--verbose` adds the line there."""
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallelism: ParallelismSection = field(default_factory=ParallelismSection)
@@ -279,6 +286,7 @@ class Config:
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     source: str = "<config>"
 
 

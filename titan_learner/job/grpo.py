@@ -36,6 +36,7 @@ from titan_learner.job.collectives import (
     raise_everywhere,
     same_within_group,
 )
+from titan_learner.job.console import Verbosity
 from titan_learner.job.run_directory import Resume, RunDirectory
 from titan_learner.job.scoring import score_rollout
 from titan_learner.ranks import rank
@@ -304,7 +305,12 @@ def train_on(
     return StepResult(metrics, samples)
 
 
-def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list[dict[str, float]]:
+def run(
+    config: Config,
+    resume: Resume = False,
+    overwrite: bool = False,
+    verbosity: Verbosity = "normal",
+) -> list[dict[str, float]]:
     """Build everything from the config and run the job; per-step metrics (same on every rank).
 
     The run owns `[run] output_dir` (job.run_directory): without `resume` a directory holding
@@ -312,6 +318,7 @@ def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list
     there is a committed checkpoint and starts fresh when there is none, and so does a worker
     group that torchrun restarted. A finished run is not run again (no metrics: nothing to
     do). SIGTERM checkpoints and stops after the current step (job.preemption).
+    `verbosity` is what the console shows (job.console): quiet, normal or verbose.
     """
     from titan_learner.allocator import keep_freed_memory
     from titan_learner.config.validate import device_type
@@ -330,7 +337,7 @@ def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list
     if directory is None:
         return []
     try:
-        return _run(config, bool(resume))
+        return _run(config, bool(resume), verbosity)
     finally:
         directory.release()
 
@@ -367,7 +374,7 @@ def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirect
     return None if acquired.finished is not None else directory
 
 
-def _run(config: Config, resume: bool) -> list[dict[str, float]]:
+def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, float]]:
     from titan_learner.checkpoint.async_save import wait_for_pending_save
     from titan_learner.checkpoint.layout import latest
     from titan_learner.data.serving_files import record_serving_files
@@ -419,7 +426,13 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     generator = build_generator(config, learner, inputs.tokenizer)
     sync_generator(learner, generator)
     telemetry = (
-        Telemetry(output_dir, config.run.steps, start_step=learner.step)
+        Telemetry(
+            output_dir,
+            config.run.steps,
+            start_step=learner.step,
+            log_every=config.logging.log_every,
+            verbosity=verbosity,
+        )
         if rank() == 0
         else Telemetry.disabled()
     )
