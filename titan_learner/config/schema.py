@@ -261,10 +261,27 @@ class RunSection:
 
 
 @dataclass
+class WandbSection:
+    """[logging] wandb = { project = "...", ... }: the run's metrics in Weights & Biases too."""
+
+    project: str | None = None
+    """None: W&B's default project."""
+    entity: str | None = None
+    """The team or user; None: W&B's default entity of the logged-in user."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """offline: written under <output_dir>/wandb for `wandb sync` later; disabled: no run."""
+    name: str | None = None
+    """The run's display name; None: W&B picks one."""
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
 class LoggingSection:
     log_every: int = field(default=1, metadata=POSITIVE)
     """Off a terminal (a log file, CI): the plain metrics line every N steps (and always the
     last). On a terminal the progress bar shows every step; `--verbose` adds the line there."""
+    wandb: WandbSection | None = None
+    """None: no Weights & Biases run (needs `pip install "titan_learner[wandb]"`)."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.config.validate import validate
 from titan_learner.data.loader import Prompt, PromptLoader, load_prompts, rank_slice
@@ -345,8 +346,6 @@ def run(
 def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirectory | None:
     """Rank 0 takes `[run] output_dir` (job.run_directory) and every rank learns the outcome,
     said in one line each: a lock taken over, a run moved aside. None: the run had finished."""
-    from titan_learner.config.errors import ConfigError
-
     directory = RunDirectory(config.run.output_dir, config.source, config.run.lock_stale_after_s)
     error, acquired = None, None
     if rank() == 0:
@@ -388,6 +387,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     from titan_learner.job.rollouts import make_rollouts, sync_points
     from titan_learner.job.run_directory import mark_finished
     from titan_learner.job.telemetry import Telemetry
+    from titan_learner.job.wandb_run import start_wandb
     from titan_learner.learner.titan import TitanLearner
 
     output_dir = Path(config.run.output_dir)
@@ -425,17 +425,26 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
         say(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
     generator = build_generator(config, learner, inputs.tokenizer)
     sync_generator(learner, generator)
-    telemetry = (
-        Telemetry(
-            output_dir,
-            config.run.steps,
-            start_step=learner.step,
-            log_every=config.logging.log_every,
-            verbosity=verbosity,
-        )
-        if rank() == 0
-        else Telemetry.disabled()
-    )
+    telemetry = Telemetry.disabled()
+    failed = None
+    if rank() == 0:
+        try:
+            telemetry = Telemetry(
+                output_dir,
+                config.run.steps,
+                start_step=learner.step,
+                log_every=config.logging.log_every,
+                verbosity=verbosity,
+                wandb=start_wandb(config, output_dir, learner.step > 0, verbosity == "quiet"),
+            )
+        except ConfigError as err:  # a W&B run that cannot start
+            failed = err
+    try:
+        raise_everywhere(failed)  # not rank 0 alone: the others would wait in the next collective
+    except ConfigError:
+        if callable(getattr(generator, "close", None)):
+            generator.close()  # a vLLM engine's processes
+        raise
 
     def evaluation(step: int) -> None:
         if inputs.eval:
@@ -450,6 +459,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
                 output_dir,
             )
             telemetry.log(step, found, namespace="eval/")
+            telemetry.completions(step, output_dir / "eval" / f"step_{step}.jsonl")
 
     history = []
     every = config.eval.every_steps

@@ -1,10 +1,10 @@
-"""Training metrics of a GRPO job: console, JSONL, TensorBoard and a final plot.
+"""Training metrics of a GRPO job: console, JSONL, TensorBoard, W&B and a final plot.
 
 Only rank 0 records anything; the other ranks hold `Telemetry.disabled()`, so the training loop
 calls `log` and `close` the same way everywhere. Training metrics are namespaced
 `training/<name>`, evaluation metrics `eval/<name>`; `samples` appends a few completions per step
 to `samples.jsonl` for people to read. What is printed is `job.console`'s (a progress bar on a
-terminal, plain lines in a log).
+terminal, plain lines in a log); a W&B run (`job.wandb_run`) gets every record too.
 
 `metrics.jsonl` is the durable record: it is flushed after every line, so a crash loses nothing
 already logged, and the plot written by `close` is read back from it, so it also covers the steps
@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.tensorboard import SummaryWriter
 
 from titan_learner.files import atomic_write_text
 from titan_learner.job.console import Console, Verbosity
+
+if TYPE_CHECKING:
+    from titan_learner.job.wandb_run import WandbRun
 
 NAMESPACE = "training/"
 ELAPSED = "elapsed_s"
@@ -48,6 +51,7 @@ class Telemetry:
         log_every: int = 1,
         verbosity: Verbosity = "normal",
         terminal: bool | None = None,
+        wandb: WandbRun | None = None,
     ) -> None:
         self.enabled = enabled
         self.output_dir = Path(output_dir)
@@ -78,6 +82,7 @@ class Telemetry:
             verbosity=verbosity,
             terminal=terminal,
         )
+        self._wandb = wandb
 
     @classmethod
     def disabled(cls) -> Telemetry:
@@ -97,11 +102,18 @@ class Telemetry:
         for key, value in record.items():
             if key != "step":
                 self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(record)
         if namespace == NAMESPACE:
             self._console.step(step, values)
         else:
             shown = "  ".join(f"{name}={value:.4g}" for name, value in values.items())
             self._console.event(f"{namespace.rstrip('/')} at step {step}  {shown}")
+
+    def completions(self, step: int, path: Path) -> None:
+        """An evaluation's completions (the JSONL file `job.evaluation` wrote) to W&B."""
+        if self.enabled and self._wandb is not None:
+            self._wandb.completions(step, _read_records(path))
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Appends (prompt, completion, rewards) rows of one step to samples.jsonl."""
@@ -120,7 +132,14 @@ class Telemetry:
         self._jsonl.close()
         self._samples.close()
         self._tensorboard.close()
-        return _plot_curves(_read_records(self.jsonl_path), self.output_dir / "curves.png")
+        curves = None
+        try:
+            curves = _plot_curves(_read_records(self.jsonl_path), self.output_dir / "curves.png")
+        finally:  # the W&B run ends even when the plot fails (a full disk)
+            if self._wandb is not None:
+                wandb, self._wandb = self._wandb, None
+                wandb.finish(curves)
+        return curves
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
