@@ -6,14 +6,22 @@ ids are in the directory, and the weights give the learner's logits."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support.hf_dirs import CHAT_TEMPLATE, eos_ids, make_model_dir
-from tests.support.models import batches, learner_logits
+from tests.support.hf_dirs import (
+    CHAT_TEMPLATE,
+    USER_REWARD,
+    eos_ids,
+    job_config,
+    make_model_dir,
+    write_gsm8k_jsonl,
+)
+from tests.support.models import learner_logits
 from tests.support.toy import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TOY
 from tests.support.vllm import ENGINE_SHAPE, needs_vllm
 from titan_learner.cli import main
@@ -98,28 +106,31 @@ def test_export_hf_writes_each_saved_steps_export_beside_it_while_training_goes_
 @pytest.mark.slow
 @needs_vllm
 def test_a_real_runs_export_starts_in_vllm_with_its_own_tokenizer(tmp_path):
-    """A run from a Qwen3-style model directory (its own tokenizer, chat template and two EOS
-    ids), exported and started in `vllm.LLM(model=export)`: the engine frames a chat with the
-    run's template and greedy-decodes the tokens transformers decodes from the same export."""
+    """A GRPO run from a Qwen3-style model directory (its own tokenizer, chat template and two
+    EOS ids), exported once that directory is gone and started in `vllm.LLM(model=export)`: the
+    engine frames a chat with the run's template and greedy-decodes the tokens transformers
+    decodes from the same export."""
     import vllm
 
-    base = tmp_path / "Qwen3-tiny"
-    config = config_from_dict(
-        {
-            "model": make_model_dir(base, "qwen3", shape=ENGINE_SHAPE),  # head_dim 64 for CPU
-            "optimizer": {"lr": 1e-3},
-            "run": {"seed": 0},
-        }
+    (tmp_path / "user_reward.py").write_text(USER_REWARD)
+    write_gsm8k_jsonl(tmp_path / "train.jsonl")
+    model = make_model_dir(tmp_path / "Qwen3-tiny", "qwen3", shape=ENGINE_SHAPE)  # head_dim 64
+    tables = job_config(
+        tmp_path, model, {"train_files": ["train.jsonl"]}, checkpoint={"interval": 2}
     )
+    config = config_from_dict(tables, str(tmp_path / "run.toml"))
+    run(config)
+    root, out = tmp_path / "out" / "checkpoints", tmp_path / "exp"
     learner = LocalLearner(config)
-    for batch in batches(2, varied=True):
-        learner.update(batch)
-    root, out = tmp_path / "checkpoints", tmp_path / "exp"
-    learner.save(str(root)).wait()
+    learner.load(str(root))
+    shutil.rmtree(tmp_path / "Qwen3-tiny")  # the export needs what the run recorded only
     export(root, out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template == CHAT_TEMPLATE
-    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    chat = [
+        {"role": "system", "content": "Answer briefly."},  # as the run's prompts were
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     prompt = list(getattr(prompt, "input_ids", prompt))
     tokens = torch.tensor([prompt])
@@ -143,7 +154,10 @@ def test_a_real_runs_export_starts_in_vllm_with_its_own_tokenizer(tmp_path):
         [answer] = llm.chat(chat, params, use_tqdm=False)
         assert answer.prompt_token_ids == prompt  # the run's template, from the export alone
         assert list(answer.outputs[0].token_ids) == expected.tolist()
-        assert answer.outputs[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        # vLLM's text holds back a trailing byte-level token that is half a UTF-8 character
+        assert tokenizer.decode(expected, skip_special_tokens=True).startswith(
+            answer.outputs[0].text
+        )
         served = llm.llm_engine.model_config.try_get_generation_config()
         assert served["eos_token_id"] == eos_ids(tokenizer)  # both EOS ids the run stopped on
     finally:
