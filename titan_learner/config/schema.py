@@ -238,9 +238,10 @@ class CheckpointSection:
     keep_latest_k: int = field(default=2, metadata=POSITIVE)
     async_save: bool = False
     export_hf: bool = False
-    """Also write `step-<N>/hf` beside each saved step: what `titan-learner export` writes (a
-    directory transformers and `vllm serve` load as it is), in a process of its own that runs
-    alongside training with async_save and before the next step otherwise."""
+    """Also write `step-<N>/hf` beside each step saved every `interval`: what `titan-learner
+    export` writes (a directory transformers and `vllm serve` load as it is), in a process of
+    its own that runs alongside training with async_save and before the next step otherwise.
+    (The save a SIGTERM makes is not exported: its grace period is for the checkpoint.)"""
 
 
 @dataclass
