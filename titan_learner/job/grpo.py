@@ -46,6 +46,7 @@ from titan_learner.rewards.runner import Reward, build_rewards
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
+    from titan_learner.job.telemetry import Telemetry
     from titan_learner.rollout.base import Rollout
 
 BUCKET_BYTES = 64 * 1024**2
@@ -343,6 +344,50 @@ def run(
         directory.release()
 
 
+def open_telemetry(
+    config: Config, output_dir: Path, start_step: int, verbosity: Verbosity
+) -> Telemetry:
+    """Rank 0's Telemetry (the other ranks' records nothing), with its W&B run when configured.
+
+    A collective: a W&B run that cannot start (online without a login) stops every rank with
+    its one line, not rank 0 alone, which would leave the others waiting in the next collective.
+    """
+    from titan_learner.job.telemetry import Telemetry
+    from titan_learner.job.wandb_run import start_wandb
+
+    telemetry, failed = Telemetry.disabled(), None
+    if rank() == 0:
+        try:
+            telemetry = Telemetry(
+                output_dir,
+                config.run.steps,
+                start_step=start_step,
+                log_every=config.logging.log_every,
+                verbosity=verbosity,
+                wandb=start_wandb(config, output_dir, start_step > 0, verbosity == "quiet"),
+            )
+        except ConfigError as err:
+            failed = err
+    raise_everywhere(failed)
+    return telemetry
+
+
+def record_tokenizer(config: Config, tokenizer: PromptTokenizer, checkpoints: Path) -> None:
+    """Rank 0: the run's serving files beside its checkpoints (data.serving_files), for
+    `export`. A failure is a warning: the checkpoints matter more, and an export can still be
+    given the tokenizer through --config."""
+    from titan_learner.data.serving_files import record_serving_files
+
+    try:
+        record_serving_files(config, tokenizer, checkpoints)
+    except OSError as err:
+        warnings.warn(
+            f"the run's tokenizer was not recorded beside {checkpoints} ({err}); an export "
+            "will use the config's [tokenizer] directory",
+            stacklevel=2,
+        )
+
+
 def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirectory | None:
     """Rank 0 takes `[run] output_dir` (job.run_directory) and every rank learns the outcome,
     said in one line each: a lock taken over, a run moved aside. None: the run had finished."""
@@ -376,7 +421,6 @@ def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirect
 def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, float]]:
     from titan_learner.checkpoint.async_save import wait_for_pending_save
     from titan_learner.checkpoint.layout import latest
-    from titan_learner.data.serving_files import record_serving_files
     from titan_learner.job.behaviour import BehaviourScorer
     from titan_learner.job.evaluation import evaluate
     from titan_learner.job.hf_exports import HFExports
@@ -386,8 +430,6 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     from titan_learner.job.resume_model import check_resume_model
     from titan_learner.job.rollouts import make_rollouts, sync_points
     from titan_learner.job.run_directory import mark_finished
-    from titan_learner.job.telemetry import Telemetry
-    from titan_learner.job.wandb_run import start_wandb
     from titan_learner.learner.titan import TitanLearner
 
     output_dir = Path(config.run.output_dir)
@@ -425,23 +467,9 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
         say(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
     generator = build_generator(config, learner, inputs.tokenizer)
     sync_generator(learner, generator)
-    telemetry = Telemetry.disabled()
-    failed = None
-    if rank() == 0:
-        try:
-            telemetry = Telemetry(
-                output_dir,
-                config.run.steps,
-                start_step=learner.step,
-                log_every=config.logging.log_every,
-                verbosity=verbosity,
-                wandb=start_wandb(config, output_dir, learner.step > 0, verbosity == "quiet"),
-            )
-        except ConfigError as err:  # a W&B run that cannot start
-            failed = err
     try:
-        raise_everywhere(failed)  # not rank 0 alone: the others would wait in the next collective
-    except ConfigError:
+        telemetry = open_telemetry(config, output_dir, learner.step, verbosity)
+    except ConfigError:  # a W&B run that cannot start
         if callable(getattr(generator, "close", None)):
             generator.close()  # a vLLM engine's processes
         raise
@@ -472,7 +500,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     ) -> None:
         nonlocal serving_recorded
         if rank() == 0 and not serving_recorded:  # what `export` serves with: once a launch
-            record_serving_files(config, inputs.tokenizer, checkpoints)
+            record_tokenizer(config, inputs.tokenizer, checkpoints)
             serving_recorded = True
         if exports is not None:
             exports.wait()  # the rotation of this save may remove the step being exported
