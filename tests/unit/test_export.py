@@ -364,6 +364,22 @@ def test_an_hf_checkpoint_run_exports_the_learners_model(hf_run, tmp_path, capsy
     )
 
 
+def test_the_runs_own_template_file_is_the_exports_chat_template(hf_run, tmp_path, capsys):
+    """[tokenizer] chat_template = "file.jinja": the export frames chats as the run did, not as
+    the tokenizer's own template would."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "mine.jinja").write_text(template)
+    config = load_config(hf_run.root / "config.toml")
+    config.tokenizer.chat_template = "mine.jinja"  # relative to the config file, as a user writes
+    (tmp_path / "run.toml").write_text(config_to_toml(config))
+    out = tmp_path / "hf"
+    code, _, err = export(
+        capsys, "--checkpoint", hf_run.root, "--out", out, "--config", tmp_path / "run.toml"
+    )
+    assert (code, err) == (0, ""), err
+    assert AutoTokenizer.from_pretrained(out).chat_template == template
+
+
 def test_an_hf_checkpoint_run_exports_after_its_model_directory_moved(hf_run, tmp_path, capsys):
     """The architecture recorded beside the checkpoints replaces the gone config.json."""
     root = tmp_path / "checkpoints"
