@@ -30,7 +30,7 @@ DEBUG_FSDP_TP = CONFIGS / "debug_fsdp_tp.toml"
 
 SECTIONS = (
     "model, parallelism, activation_checkpoint, compile, optimizer, lr_scheduler, learner, "
-    "loss, rollout, tokenizer, data, reward, eval, checkpoint, run"
+    "loss, rollout, tokenizer, data, reward, eval, checkpoint, run, logging"
 )
 PARALLELISM_KEYS = (
     "dp_replicate, dp_shard, fsdp_reshard_after_forward, param_dtype, reduce_dtype, "
@@ -59,6 +59,14 @@ BAD_CONFIGS = {
         exact(
             "unknown section [paralelism] (did you mean 'parallelism'?); "
             f"allowed sections: {SECTIONS}"
+        ),
+    ),
+    "export_hf_without_saves": (
+        "[checkpoint]\nexport_hf = true\n",
+        [],
+        exact(
+            "[checkpoint] export_hf: export_hf = true exports each saved step, and interval = 0 "
+            "saves none; allowed: interval >= 1, or export_hf = false"
         ),
     ),
     "section_not_a_table": (

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support.hf_dirs import make_model_dir
+from tests.support.hf_dirs import CHAT_TEMPLATE, eos_ids, make_model_dir, make_tokenizer
 from tests.support.models import VOCAB, batches, tiny_config
 from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
 from titan_learner.checkpoint.layout import save_resolved_config
@@ -170,15 +170,19 @@ def test_no_made_up_token_ids_without_a_base_model(llama, tmp_path, capsys):
         assert config.get(key) is None and generation.get(key) is None, key
 
 
-def test_the_base_models_tokenizer_and_generation_config_go_along(llama, tmp_path, capsys):
-    """[model] hf_checkpoint names the model the run started from: its tokenizer files,
-    generation config and special token ids describe the export too."""
+def test_the_base_models_tokenizer_generation_config_and_fields_go_along(llama, tmp_path, capsys):
+    """[model] hf_checkpoint names the model the run started from: its tokenizer (with its chat
+    template), generation defaults, special token ids and config.json fields describe the
+    export too; the EOS ids are every one the run stopped on."""
     base = tmp_path / "base"
     hf_cfg = hf_config(llama.learner.spec)
     hf_cfg.bos_token_id, hf_cfg.eos_token_id = 5, [6, 7]
     AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(base)
     capsys.readouterr()  # its progress bar
-    (base / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    tokenizer = make_tokenizer(base)
+    base_fields = json.loads((base / "config.json").read_text())
+    base_fields |= {"torch_dtype": "bfloat16", "max_window_layers": 2, "custom_field": "kept"}
+    (base / "config.json").write_text(json.dumps(base_fields))
     generation = {"eos_token_id": [6, 7], "temperature": 0.6, "do_sample": True}
     (base / "generation_config.json").write_text(json.dumps(generation))
     config = tiny_config("llama3", model={"hf_checkpoint": str(base)})
@@ -189,14 +193,56 @@ def test_the_base_models_tokenizer_and_generation_config_go_along(llama, tmp_pat
         "--config", tmp_path / "config.toml",
     )  # fmt: skip
     assert (code, err) == (0, ""), err
-    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
-    assert json.loads((out / "generation_config.json").read_text()) == generation
+    served = AutoTokenizer.from_pretrained(out)
+    assert served.chat_template == CHAT_TEMPLATE
+    assert served("What is 2 + 3?")["input_ids"] == tokenizer("What is 2 + 3?")["input_ids"]
+    im_end, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<pad>"])
+    assert json.loads((out / "generation_config.json").read_text()) == generation | {
+        "eos_token_id": [im_end, 6, 7],
+        "pad_token_id": pad,
+    }
     exported = json.loads((out / "config.json").read_text())
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (5, [6, 7])
+    assert (exported["custom_field"], exported["max_window_layers"]) == ("kept", 2)
+    assert exported["architectures"] == ["LlamaForCausalLM"]
+    assert exported["torch_dtype"] == exported["dtype"] == "float32"
     # The weights are the checkpoint's, not the base model's.
     torch.testing.assert_close(
         _logits(load_hf(out), llama.tokens), llama.logits[2], atol=1e-5, rtol=0
     )
+
+
+def test_large_exports_are_sharded_with_an_index(llama, tmp_path, capsys):
+    out = tmp_path / "hf"
+    code, _, err = export(
+        capsys, "--checkpoint", llama.root, "--out", out, "--dtype", "fp32",
+        "--max-shard-size", "40000",
+    )  # fmt: skip
+    assert (code, err) == (0, ""), err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) >= 3 and sorted(set(index["weight_map"].values())) == shards
+    assert not (out / "model.safetensors").exists()
+    torch.testing.assert_close(
+        _logits(load_hf(out), llama.tokens), llama.logits[2], atol=1e-5, rtol=0
+    )
+
+
+def test_bad_max_shard_size(llama, tmp_path, capsys):
+    assert_one_error(
+        *export(
+            capsys,
+            "--checkpoint",
+            llama.root,
+            "--out",
+            tmp_path / "hf",
+            "--max-shard-size",
+            "lots",
+        ),
+        "error: --max-shard-size: 'lots' is not a size; allowed: a number of bytes, or a "
+        "number with KB, MB, GB (or KiB, MiB, GiB), e.g. 500MB\n",
+    )
+    assert not (tmp_path / "hf").exists()
 
 
 def test_step_selects_an_older_checkpoint(llama, tmp_path, capsys):
@@ -299,10 +345,35 @@ def test_an_hf_checkpoint_run_exports_the_learners_model(hf_run, tmp_path, capsy
     assert (exported["hidden_size"], exported["num_hidden_layers"], exported["head_dim"]) == (
         64, 2, 16,
     )  # fmt: skip
-    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
+    assert exported["architectures"] == ["Qwen3ForCausalLM"]
+    base = Path(load_config(hf_run.root / "config.toml").model.hf_checkpoint)
+    own = AutoTokenizer.from_pretrained(base)
+    served = AutoTokenizer.from_pretrained(out)  # no other directory needed
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert served.apply_chat_template(chat, add_generation_prompt=True) == (
+        own.apply_chat_template(chat, add_generation_prompt=True)
+    )
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == eos_ids(own)  # both EOS ids the rollouts stopped on
     torch.testing.assert_close(
         _logits(load_hf(out), hf_run.tokens), hf_run.logits[2], atol=1e-5, rtol=0
     )
+
+
+def test_the_runs_own_template_file_is_the_exports_chat_template(hf_run, tmp_path, capsys):
+    """[tokenizer] chat_template = "file.jinja": the export frames chats as the run did, not as
+    the tokenizer's own template would."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "mine.jinja").write_text(template)
+    config = load_config(hf_run.root / "config.toml")
+    config.tokenizer.chat_template = "mine.jinja"  # relative to the config file, as a user writes
+    (tmp_path / "run.toml").write_text(config_to_toml(config))
+    out = tmp_path / "hf"
+    code, _, err = export(
+        capsys, "--checkpoint", hf_run.root, "--out", out, "--config", tmp_path / "run.toml"
+    )
+    assert (code, err) == (0, ""), err
+    assert AutoTokenizer.from_pretrained(out).chat_template == template
 
 
 def test_an_hf_checkpoint_run_exports_after_its_model_directory_moved(hf_run, tmp_path, capsys):
@@ -430,7 +501,7 @@ def test_non_empty_out_dir_is_left_alone(llama, tmp_path, capsys):
 def test_a_write_that_fails_midway_leaves_nothing(llama, tmp_path, capsys, monkeypatch):
     import titan_learner.checkpoint.hf_export as export_module
 
-    def half_written(spec, weights, dtype, directory, base):
+    def half_written(spec, weights, dtype, directory, *rest):
         (directory / "model.safetensors").write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 

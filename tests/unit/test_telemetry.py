@@ -39,7 +39,7 @@ def _tensorboard_scalars(output_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_logs_every_step_everywhere_and_plots_on_close(tmp_path: Path, capsys) -> None:
-    telemetry = Telemetry(tmp_path, total_steps=3, progress=False)
+    telemetry = Telemetry(tmp_path, total_steps=3, terminal=False)
     _log_steps(telemetry, range(1, 4))
 
     records = _jsonl(tmp_path)  # readable before close: every line is flushed
@@ -64,7 +64,7 @@ def test_logs_every_step_everywhere_and_plots_on_close(tmp_path: Path, capsys) -
 
 
 def test_reward_errors_show_on_the_console_line_only_when_there_are_some(tmp_path, capsys):
-    telemetry = Telemetry(tmp_path, total_steps=2, progress=False)
+    telemetry = Telemetry(tmp_path, total_steps=2, terminal=False)
     telemetry.log(1, {**_metrics(1), "reward_errors": 0.0})
     telemetry.log(2, {**_metrics(2), "reward_errors": 3.0})
     telemetry.close()
@@ -73,11 +73,11 @@ def test_reward_errors_show_on_the_console_line_only_when_there_are_some(tmp_pat
 
 
 def test_resume_drops_later_steps_and_appends(tmp_path: Path) -> None:
-    first = Telemetry(tmp_path, total_steps=6, progress=False)
+    first = Telemetry(tmp_path, total_steps=6, terminal=False)
     _log_steps(first, range(1, 5))
     first.close()
 
-    resumed = Telemetry(tmp_path, total_steps=6, progress=False, start_step=2)
+    resumed = Telemetry(tmp_path, total_steps=6, terminal=False, start_step=2)
     assert [r["step"] for r in _jsonl(tmp_path)] == [1, 2]
     _log_steps(resumed, range(3, 7))
     assert resumed.close().exists()
@@ -88,11 +88,11 @@ def test_resume_drops_later_steps_and_appends(tmp_path: Path) -> None:
 
 
 def test_elapsed_s_continues_across_a_resume(tmp_path: Path) -> None:
-    first = Telemetry(tmp_path, total_steps=4, progress=False)
+    first = Telemetry(tmp_path, total_steps=4, terminal=False)
     for step in (1, 2, 3):
         first.log(step, {**_metrics(step), "elapsed_s": 10.0 * step})
     first.close()
-    resumed = Telemetry(tmp_path, total_steps=4, progress=False, start_step=2)  # step 3 dropped
+    resumed = Telemetry(tmp_path, total_steps=4, terminal=False, start_step=2)  # step 3 dropped
     resumed.log(3, {**_metrics(3), "elapsed_s": 4.0})  # this process's own clock
     resumed.log(1, {"pass@1": 0.5, "elapsed_s": 1.0}, namespace="eval/")  # not training time
     resumed.close()
@@ -167,3 +167,57 @@ def test_a_failing_close_never_hides_the_error_that_ended_the_run(tmp_path):
         except RuntimeError:
             close_quietly(Broken())
             raise
+
+
+# -- the console -----------------------------------------------------------------------------------
+
+
+def _console_run(tmp_path: Path, capsys, steps: int = 5, **console) -> tuple[list[str], str]:
+    """`steps` logged steps and one evaluation; the stdout lines and the stderr text."""
+    telemetry = Telemetry(tmp_path, total_steps=steps, **console)
+    for step in range(1, steps + 1):
+        telemetry.log(step, {**_metrics(step), "tokens_per_s": 1234.5})
+    telemetry.log(steps, {"pass@1": 0.5}, namespace="eval/")
+    telemetry.close()
+    captured = capsys.readouterr()
+    return captured.out.splitlines(), captured.err
+
+
+def test_off_a_terminal_the_plain_line_prints_every_log_every_steps_and_the_last(tmp_path, capsys):
+    lines, err = _console_run(tmp_path, capsys, terminal=False, log_every=2)
+    steps = [line.split("  ")[0] for line in lines[:-1]]
+    assert steps == ["step 2/5", "step 4/5", "step 5/5"]
+    assert lines[-1] == "eval at step 5  pass@1=0.5"
+    assert "reward_mean=0.4" in lines[1] and "tokens_per_s=1234" in lines[1]
+    assert err == ""  # no bar in a log file
+    assert len(_jsonl(tmp_path)) == 6  # the files get every step whatever is printed
+
+
+def test_on_a_terminal_a_bar_shows_steps_time_left_and_key_figures(tmp_path, capsys):
+    lines, err = _console_run(tmp_path, capsys, terminal=True)
+    assert lines == ["eval at step 5  pass@1=0.5"]  # no per-step line: the bar says it
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert " 5/5 [" in final and "<00:00" in final, final  # steps, elapsed<left
+    assert "reward=0.500" in final and "tok/s=1234" in final, final
+
+
+def test_verbose_prints_every_metric_and_quiet_nothing(tmp_path, capsys):
+    lines, _ = _console_run(tmp_path / "verbose", capsys, terminal=False, verbosity="verbose")
+    assert len(lines) == 6
+    for name in (*_metrics(1), "tokens_per_s"):
+        assert f"{name}=" in lines[0], name
+    lines, err = _console_run(tmp_path / "quiet", capsys, terminal=True, verbosity="quiet")
+    assert (lines, err) == ([], "")
+    assert len(_jsonl(tmp_path / "quiet")) == 6
+
+
+def test_train_takes_quiet_or_verbose_not_both(capsys):
+    from titan_learner.cli import build_parser
+
+    parser = build_parser("titan-learner")
+    assert parser.parse_args(["train", "--config", "x"]).verbosity == "normal"
+    assert parser.parse_args(["train", "--config", "x", "--quiet"]).verbosity == "quiet"
+    assert parser.parse_args(["train", "--config", "x", "--verbose"]).verbosity == "verbose"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--config", "x", "--quiet", "--verbose"])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -1,17 +1,24 @@
-"""`python -m titan_learner export`: a DCP checkpoint as a Hugging Face model directory.
+"""`python -m titan_learner export`: a DCP checkpoint as a Hugging Face model directory that
+serves as it is (`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(d)`, `vllm serve d`).
 
     python -m titan_learner export --checkpoint DIR --out HF_DIR [--dtype bf16] [--config FILE]
-                                   [--step N]
+                                   [--step N] [--max-shard-size 5GB]
 
 The run's model is rebuilt on CPU, plain and unsharded, and only its weights are read from the
 checkpoint (DCP reshards whatever layout saved them; optimizer moments, the LR schedule and the
 run's length play no part). Its weights leave under Hugging Face names (TorchTitan's state-dict
 adapter: llama3's rotary permutation), and a transformers model built from `hf_config(spec)`
-takes them strictly and writes `save_pretrained`: safetensors, config.json and
-generation_config.json. transformers then loads the directory with the logits the learner
-computes. When the run started from a Hugging Face model (`[model] hf_checkpoint`) and that
-directory is on this machine, its tokenizer files, generation config and special token ids go
-along; otherwise no token ids are claimed (the checkpoint does not know them).
+takes them strictly and writes `save_pretrained`: safetensors (sharded with an index above
+`max_shard_size`), config.json and generation_config.json. transformers then loads the
+directory with the logits the learner computes.
+
+What else a server needs goes along (`data.serving_files`): the run's tokenizer and the chat
+template it trained with, and a generation config with the EOS ids its rollouts stopped on;
+from the record the GRPO job keeps beside its checkpoints (`<root>/tokenizer`), else from the
+config's `[tokenizer]` / `[model] hf_checkpoint` where that directory is here. A run with no
+tokenizer at all exports no token ids (the checkpoint does not know them). The fields of
+`hf_checkpoint`'s config.json that the learner does not change (architectures, rope scaling,
+model-specific keys) stay, `torch_dtype` set to the export dtype.
 
 Which model a checkpoint holds comes from `<checkpoint root>/config.toml` (written next to the
 checkpoints by `Learner.save`), or from `--config`. A run from `hf_checkpoint` takes its shape
@@ -31,7 +38,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,8 +47,15 @@ import torch
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.layout import LATEST, METADATA, resolve
 from titan_learner.checkpoint.model_weights import load_model_weights
+from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config, ModelOverrides
 from titan_learner.config.toml import RESOLVED_CONFIG, load_config
+from titan_learner.data.serving_files import (
+    GENERATION_CONFIG,
+    TOKENIZER_RECORD,
+    write_serving_files,
+)
+from titan_learner.data.tokenizer import load_tokenizer, tokenizer_dir
 from titan_learner.dtypes import parse_dtype
 from titan_learner.model.architecture_record import ARCHITECTURE_FILE, recorded_architecture
 from titan_learner.model.initial_state import materialize
@@ -53,21 +67,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ExportError", "export_checkpoint"]
 
-# Files of the base model (`[model] hf_checkpoint`) that describe the export too: the tokenizer
-# and the generation defaults. Copied when that directory exists on the exporting machine.
-BASE_MODEL_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+"""Above this, the safetensors are split into shards with an index (the Hub's convention)."""
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+ServingFiles = Callable[[Path], None]
+"""Writes the run's serving files (tokenizer, chat template, generation config) into a directory."""
 
 
 class ExportError(RuntimeError):
@@ -80,6 +84,7 @@ def export_checkpoint(
     dtype: str | torch.dtype | None = None,
     config: Config | str | os.PathLike | None = None,
     step: int | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write the checkpoint as a Hugging Face model directory `out_dir`; return its path.
 
@@ -87,11 +92,13 @@ def export_checkpoint(
     dtype: of the written tensors (bf16, fp16, fp32 and their long names); None: the config's
     `[learner] export_dtype`.
     config: a Config or a TOML file; None reads `config.toml` of the checkpoint root.
+    max_shard_size: bytes (or "500MB", "5GB") above which the weights are split into shards.
     Raises ConfigError, CheckpointError or ExportError with one clear message on bad input,
     before any output exists. The caller's torch RNG state is left as it was.
     """
     out = Path(out_dir)
     torch_dtype = parse_dtype(dtype) if dtype is not None else None
+    _check_shard_size(max_shard_size)
     _check_out_dir(out)
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -100,6 +107,7 @@ def export_checkpoint(
     config = _resolve_config(checkpoint_dir, config)
     if torch_dtype is None:
         torch_dtype = parse_dtype(config.learner.export_dtype)
+    serving = _serving(config, _root(checkpoint_dir))  # a tokenizer problem: before any work
 
     with torch.random.fork_rng(devices=[]):
         spec = _model_spec(config, _root(checkpoint_dir))
@@ -110,8 +118,22 @@ def export_checkpoint(
     base = config.model.hf_checkpoint
     base = Path(base) if base and Path(base).is_dir() else None
     with _staging(out) as staging:
-        _write_hf(spec, weights, torch_dtype, staging, base)
+        _write_hf(spec, weights, torch_dtype, staging, base, serving, max_shard_size)
     return out
+
+
+def _check_shard_size(size: int | str) -> None:
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        positive = convert_file_size_to_int(size) > 0
+    except ValueError:
+        positive = False
+    if not positive:
+        raise ExportError(
+            f"--max-shard-size: {size!r} is not a size; allowed: a number of bytes, or a number "
+            "with KB, MB, GB (or KiB, MiB, GiB), e.g. 500MB"
+        )
 
 
 def _check_out_dir(out: Path) -> None:
@@ -196,24 +218,50 @@ def _staging(out: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _serving(config: Config, root: Path) -> ServingFiles | None:
+    """The serving files the job recorded beside the checkpoints, else those of the run's
+    tokenizer where the config names one that is here, else None (a run without any)."""
+    record = root / TOKENIZER_RECORD
+    if record.is_dir():
+        return lambda directory: shutil.copytree(record, directory, dirs_exist_ok=True)
+    try:
+        if not tokenizer_dir(config).is_dir():
+            return None
+    except ConfigError:  # neither [tokenizer] path nor [model] hf_checkpoint
+        return None
+    tokenizer = load_tokenizer(config)
+    return lambda directory: write_serving_files(config, tokenizer, directory)
+
+
 def _write_hf(
-    spec, weights: dict[str, torch.Tensor], dtype: torch.dtype, directory: Path, base: Path | None
+    spec,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    directory: Path,
+    base: Path | None,
+    serving: ServingFiles | None,
+    max_shard_size: int | str,
 ) -> None:
-    """A transformers model of exactly `spec`, loaded strictly with `weights`, saved to disk.
+    """A transformers model of exactly `spec`, loaded strictly with `weights`, saved to disk
+    with the run's serving files.
 
     Built on the meta device (no random init of a second full model) and given the exported
     tensors themselves; non-persistent buffers (RoPE frequencies) stay unallocated, which
     `save_pretrained` never writes. Special token ids come from the base model's config.json,
-    else none are claimed (transformers' defaults, e.g. Llama's eos 2, would be made up), and the
-    base model's tokenizer and generation config are copied alongside when it is here.
+    else from the run's generation config, else none are claimed (transformers' defaults, e.g.
+    Llama's eos 2, would be made up).
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from titan_learner.model.hf_config import hf_config
 
+    if serving is not None:
+        serving(directory)
+    generation = _read_json(directory / GENERATION_CONFIG) if serving is not None else {}
+    base_config = _read_json(base / "config.json") if base is not None else {}
+    ids = base_config if base_config else generation
     config = hf_config(spec)
-    ids = _special_token_ids(base)
     for key in SPECIAL_TOKEN_IDS:
         setattr(config, key, ids.get(key))
     with torch.device("meta"):
@@ -225,21 +273,30 @@ def _write_hf(
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, max_shard_size=max_shard_size)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    for name in BASE_MODEL_FILES if base is not None else ():
-        if (base / name).is_file():
-            shutil.copyfile(base / name, directory / name)
+    _keep_base_fields(directory / "config.json", base_config, dtype)
+    if generation:  # the run's, which save_pretrained replaced with defaults
+        (directory / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def _special_token_ids(base: Path | None) -> dict:
-    """bos/eos/pad token ids of the base model's config.json ({} without one)."""
-    if base is None or not (base / "config.json").is_file():
+def _keep_base_fields(path: Path, base_config: dict, dtype: torch.dtype) -> None:
+    """config.json as written, over the base model's own fields: what the learner's config does
+    not describe (model-specific keys, an older rope_scaling form) stays; the dtype is the
+    export's."""
+    written = _read_json(path)
+    merged = {**base_config, **written}
+    merged["dtype"] = merged["torch_dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON file of a model directory ({} when there is none)."""
+    if not path.is_file():
         return {}
     try:
-        data = json.loads((base / "config.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ExportError(f"cannot read {base / 'config.json'}: {err}") from None
-    return {key: data.get(key) for key in SPECIAL_TOKEN_IDS}
+        raise ExportError(f"cannot read {path}: {err}") from None

@@ -43,6 +43,22 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in output_dir; `--resume auto`: also start "
         "fresh when it has none, for a first launch and every restart alike",
     )
+    shown = train.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--quiet",
+        action="store_const",
+        dest="verbosity",
+        const="quiet",
+        default="normal",
+        help="print no step and no evaluation (the files get them all)",
+    )
+    shown.add_argument(
+        "--verbose",
+        action="store_const",
+        dest="verbosity",
+        const="verbose",
+        help="print every metric every [logging] log_every steps (above the bar on a terminal)",
+    )
     train.add_argument(
         "--overwrite",
         action="store_true",
@@ -68,8 +84,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     export = commands.add_parser(
         "export",
-        help="write a checkpoint as a Hugging Face model directory (safetensors)",
-        description="Write a DCP checkpoint as a Hugging Face model directory.",
+        help="write a checkpoint as a Hugging Face model directory (safetensors, tokenizer)",
+        description="Write a DCP checkpoint as a Hugging Face model directory that transformers "
+        "and `vllm serve` load as it is: weights, config, the run's tokenizer and chat template, "
+        "generation config with the run's EOS ids.",
     )
     export.add_argument(
         "--checkpoint", required=True, help="checkpoint root (or one step directory)"
@@ -85,6 +103,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--step", type=int, default=None, help="step to export (default: the latest)"
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="split the safetensors into shards of at most this size, with an index "
+        "(bytes, or e.g. 500MB, 5GB; default: 5GB)",
     )
     from titan_learner.cli.serve import add_serve_parser
 
@@ -144,7 +168,12 @@ def _train(args: argparse.Namespace) -> int:
     from titan_learner.job.preemption import Preempted
 
     try:
-        run(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite)
+        run(
+            load_config(args.config, args.overrides),
+            resume=args.resume,
+            overwrite=args.overwrite,
+            verbosity=args.verbosity,
+        )
         if dist.is_initialized():
             # Every rank reaches the teardown together: a rank that tears its process group
             # down while another still uses it (rank 0 drawing the curves) can abort at exit.
@@ -190,13 +219,23 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shard_size(value: str) -> int | str:
+    """`--max-shard-size` as save_pretrained takes it: a plain number is bytes."""
+    return int(value) if value.isdigit() else value
+
+
 def _export(args: argparse.Namespace) -> int:
     from titan_learner.checkpoint.errors import CheckpointError
     from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
 
     try:
         out = export_checkpoint(
-            args.checkpoint, args.out, args.dtype, config=args.config, step=args.step
+            args.checkpoint,
+            args.out,
+            args.dtype,
+            config=args.config,
+            step=args.step,
+            max_shard_size=_shard_size(args.max_shard_size),
         )
     except (ConfigError, CheckpointError, ExportError) as err:
         return user_error(err)

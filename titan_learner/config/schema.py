@@ -279,6 +279,11 @@ class CheckpointSection:
     """Save every N steps (0: never)."""
     keep_latest_k: int = field(default=2, metadata=POSITIVE)
     async_save: bool = False
+    export_hf: bool = False
+    """Also write `step-<N>/hf` beside each step saved every `interval`: what `titan-learner
+    export` writes (a directory transformers and `vllm serve` load as it is), in a process of
+    its own that runs alongside training with async_save and before the next step otherwise.
+    (The save a SIGTERM makes is not exported: its grace period is for the checkpoint.)"""
 
 
 @dataclass
@@ -304,6 +309,30 @@ class RunSection:
 
 
 @dataclass
+class WandbSection:
+    """[logging] wandb = { project = "...", ... }: the run's metrics in Weights & Biases too."""
+
+    project: str | None = None
+    """None: W&B's default project."""
+    entity: str | None = None
+    """The team or user; None: W&B's default entity of the logged-in user."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """offline: written under <output_dir>/wandb for `wandb sync` later; disabled: no run."""
+    name: str | None = None
+    """The run's display name; None: W&B picks one."""
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingSection:
+    log_every: int = field(default=1, metadata=POSITIVE)
+    """Off a terminal (a log file, CI): the plain metrics line every N steps (and always the
+    last). On a terminal the progress bar shows every step; `--verbose` adds the line there."""
+    wandb: WandbSection | None = None
+    """None: no Weights & Biases run (needs `pip install "titan_learner[wandb]"`)."""
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallelism: ParallelismSection = field(default_factory=ParallelismSection)
@@ -322,6 +351,7 @@ class Config:
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     source: str = "<config>"
 
 

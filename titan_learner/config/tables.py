@@ -57,6 +57,9 @@ def _convert(value: Any, tp: Any, path: tuple[str, ...], source: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        present = [arg for arg in args if arg is not type(None)]
+        if len(present) == 1:  # optional: the one type's own error says what is wrong
+            return _convert(value, present[0], path, source)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -57,6 +57,13 @@ def validate_fields(config: Config) -> None:
             source=config.source,
             where="[learner] share_prompts",
         )
+    if config.checkpoint.export_hf and not config.checkpoint.interval:
+        raise ConfigError(
+            "export_hf = true exports each saved step, and interval = 0 saves none; allowed: "
+            "interval >= 1, or export_hf = false",
+            source=config.source,
+            where="[checkpoint] export_hf",
+        )
     check_loss_kwargs(config.loss, config.source)
 
 

@@ -18,6 +18,7 @@ from titan_learner.config.schema import Config
 from titan_learner.data.errors import DataError
 from titan_learner.data.files import read_rows, resolve
 from titan_learner.job.vllm_checks import check_vllm_machine, check_vllm_structure
+from titan_learner.job.wandb_run import require_wandb
 from titan_learner.rewards.builtins import BUILTINS
 from titan_learner.rewards.loading import RewardLoadError, load_function
 from titan_learner.rewards.runner import reward_name
@@ -149,6 +150,7 @@ def check_job_inputs(
             if path.is_file():
                 _check_first_rows(config, path, [key, data.answer_key])
     _check_tokenizer(config, machine_check, model_vocab)
+    machine_check(lambda: require_wandb(config))
     if config.rollout.generator == "vllm":
         check_vllm_machine(config, machine_check, world_size, data_parallel)
     for index, section in enumerate(config.reward):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.data.loader import Prompt, PromptLoader, load_prompts, rank_slice
 from titan_learner.data.tokenizer import PromptTokenizer, load_tokenizer
@@ -35,6 +36,7 @@ from titan_learner.job.collectives import (
     raise_everywhere,
     same_within_group,
 )
+from titan_learner.job.console import Verbosity
 from titan_learner.job.run_directory import Resume, RunDirectory
 from titan_learner.job.scoring import score_rollout
 from titan_learner.job.validate import validate
@@ -44,6 +46,7 @@ from titan_learner.rewards.runner import Reward, build_rewards
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
+    from titan_learner.job.telemetry import Telemetry
     from titan_learner.rollout.base import Rollout
 
 BUCKET_BYTES = 64 * 1024**2
@@ -310,7 +313,12 @@ def train_on(
     return StepResult(metrics, samples)
 
 
-def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list[dict[str, float]]:
+def run(
+    config: Config,
+    resume: Resume = False,
+    overwrite: bool = False,
+    verbosity: Verbosity = "normal",
+) -> list[dict[str, float]]:
     """Build everything from the config and run the job; per-step metrics (same on every rank).
 
     The run owns `[run] output_dir` (job.run_directory): without `resume` a directory holding
@@ -318,6 +326,7 @@ def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list
     there is a committed checkpoint and starts fresh when there is none, and so does a worker
     group that torchrun restarted. A finished run is not run again (no metrics: nothing to
     do). SIGTERM checkpoints and stops after the current step (job.preemption).
+    `verbosity` is what the console shows (job.console): quiet, normal or verbose.
     """
     from titan_learner.allocator import keep_freed_memory
     from titan_learner.config.validate import device_type
@@ -336,16 +345,58 @@ def run(config: Config, resume: Resume = False, overwrite: bool = False) -> list
     if directory is None:
         return []
     try:
-        return _run(config, bool(resume))
+        return _run(config, bool(resume), verbosity)
     finally:
         directory.release()
+
+
+def open_telemetry(
+    config: Config, output_dir: Path, start_step: int, verbosity: Verbosity
+) -> Telemetry:
+    """Rank 0's Telemetry (the other ranks' records nothing), with its W&B run when configured.
+
+    A collective: a W&B run that cannot start (online without a login) stops every rank with
+    its one line, not rank 0 alone, which would leave the others waiting in the next collective.
+    """
+    from titan_learner.job.telemetry import Telemetry
+    from titan_learner.job.wandb_run import start_wandb
+
+    telemetry, failed = Telemetry.disabled(), None
+    if rank() == 0:
+        try:
+            telemetry = Telemetry(
+                output_dir,
+                config.run.steps,
+                start_step=start_step,
+                log_every=config.logging.log_every,
+                verbosity=verbosity,
+                wandb=start_wandb(config, output_dir, start_step > 0, verbosity == "quiet"),
+            )
+        except ConfigError as err:
+            failed = err
+    raise_everywhere(failed)
+    return telemetry
+
+
+def record_tokenizer(config: Config, tokenizer: PromptTokenizer, checkpoints: Path) -> None:
+    """Rank 0: the run's serving files beside its checkpoints (data.serving_files), for
+    `export`. A failure is a warning: the checkpoints matter more, and an export can still be
+    given the tokenizer through --config."""
+    from titan_learner.data.serving_files import record_serving_files
+
+    try:
+        record_serving_files(config, tokenizer, checkpoints)
+    except OSError as err:
+        warnings.warn(
+            f"the run's tokenizer was not recorded beside {checkpoints} ({err}); an export "
+            "will use the config's [tokenizer] directory",
+            stacklevel=2,
+        )
 
 
 def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirectory | None:
     """Rank 0 takes `[run] output_dir` (job.run_directory) and every rank learns the outcome,
     said in one line each: a lock taken over, a run moved aside. None: the run had finished."""
-    from titan_learner.config.errors import ConfigError
-
     directory = RunDirectory(config.run.output_dir, config.source, config.run.lock_stale_after_s)
     error, acquired = None, None
     if rank() == 0:
@@ -378,18 +429,18 @@ def own_output_dir(config: Config, resume: Resume, overwrite: bool) -> RunDirect
     return None if acquired.finished is not None else directory
 
 
-def _run(config: Config, resume: bool) -> list[dict[str, float]]:
+def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, float]]:
     from titan_learner.checkpoint.async_save import wait_for_pending_save
     from titan_learner.checkpoint.layout import latest
     from titan_learner.job.behaviour import BehaviourScorer
     from titan_learner.job.evaluation import evaluate
+    from titan_learner.job.hf_exports import HFExports
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.resume import check_resume, touches_hyperparameters
     from titan_learner.job.resume_model import check_resume_model
     from titan_learner.job.rollouts import make_rollouts, sync_points
     from titan_learner.job.run_directory import mark_finished
-    from titan_learner.job.telemetry import Telemetry
     from titan_learner.learner.titan import TitanLearner
 
     output_dir = Path(config.run.output_dir)
@@ -427,11 +478,12 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
         say(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
     generator = build_generator(config, learner, inputs.tokenizer)
     sync_generator(learner, generator)
-    telemetry = (
-        Telemetry(output_dir, config.run.steps, start_step=learner.step)
-        if rank() == 0
-        else Telemetry.disabled()
-    )
+    try:
+        telemetry = open_telemetry(config, output_dir, learner.step, verbosity)
+    except ConfigError:  # a W&B run that cannot start
+        if callable(getattr(generator, "close", None)):
+            generator.close()  # a vLLM engine's processes
+        raise
 
     def evaluation(step: int) -> None:
         if inputs.eval:
@@ -446,18 +498,32 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                 output_dir,
             )
             telemetry.log(step, found, namespace="eval/")
+            telemetry.completions(step, output_dir / "eval" / f"step_{step}.jsonl")
 
     history = []
     every = config.eval.every_steps
+    serving_recorded = False
 
-    def save(asynchronous: bool, local: dict[str, torch.Tensor] | None = None) -> None:
-        learner.save(
+    exports = HFExports(checkpoints) if rank() == 0 and config.checkpoint.export_hf else None
+
+    def save(
+        asynchronous: bool, local: dict[str, torch.Tensor] | None = None, export: bool = False
+    ) -> None:
+        nonlocal serving_recorded
+        if rank() == 0 and not serving_recorded:  # what `export` serves with: once a launch
+            record_tokenizer(config, inputs.tokenizer, checkpoints)
+            serving_recorded = True
+        if exports is not None:
+            exports.wait()  # the rotation of this save may remove the step being exported
+        handle = learner.save(
             checkpoints,
             keep_latest_k=config.checkpoint.keep_latest_k,
             asynchronous=asynchronous,
             extra={"data": loader.state_dict()},
             local=local,
         )
+        if exports is not None and export:
+            exports.after_save(handle, learner.step, asynchronous)
 
     def take_sample(prompts: list[Prompt], step: int) -> Sampled:
         rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
@@ -520,10 +586,12 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
                             flush=True,
                         )
                     elif config.checkpoint.interval and step % config.checkpoint.interval == 0:
-                        save(asynchronous=config.checkpoint.async_save)
+                        save(asynchronous=config.checkpoint.async_save, export=True)
                 if stop:
                     break
             wait_for_pending_save()
+            if exports is not None:
+                exports.wait()
             rollouts.close()
     except BaseException:
         if rollouts is not None:

@@ -1,9 +1,10 @@
-"""Training metrics of a GRPO job: console, JSONL, TensorBoard, a progress bar and a final plot.
+"""Training metrics of a GRPO job: console, JSONL, TensorBoard, W&B and a final plot.
 
 Only rank 0 records anything; the other ranks hold `Telemetry.disabled()`, so the training loop
 calls `log` and `close` the same way everywhere. Training metrics are namespaced
 `training/<name>`, evaluation metrics `eval/<name>`; `samples` appends a few completions per step
-to `samples.jsonl` for people to read.
+to `samples.jsonl` for people to read. What is printed is `job.console`'s (a progress bar on a
+terminal, plain lines in a log); a W&B run (`job.wandb_run`) gets every record too.
 
 `metrics.jsonl` is the durable record: it is flushed after every line, so a crash loses nothing
 already logged, and the plot written by `close` is read back from it, so it also covers the steps
@@ -17,38 +18,27 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 
 from titan_learner.files import atomic_write_text
+from titan_learner.job.console import Console, Verbosity
+
+if TYPE_CHECKING:
+    from titan_learner.job.wandb_run import WandbRun
 
 NAMESPACE = "training/"
 ELAPSED = "elapsed_s"
 """Seconds of training since the run's first step: a resumed run continues the count."""
-
-# What the one console line per step shows, in this order, when present: the rest goes to the files.
-CONSOLE_KEYS = (
-    "reward_mean",
-    "loss_objective",
-    "grad_norm",
-    "kl_approx",
-    "logprob_mismatch_max",
-    "tokens_per_s",
-    "rollout_s",
-    "update_s",
-    "weight_sync_s",
-    "reward_errors",
-)
-SHOWN_WHEN_NONZERO = ("reward_errors",)
 
 
 class Telemetry:
     """Records per-step metrics of one training run into `output_dir`.
 
     `start_step` is the last step the run resumes from (0 for a fresh run, which starts the
-    JSONL file anew); the first step logged is expected to be `start_step + 1`.
+    JSONL file anew); the first step logged is expected to be `start_step + 1`. `log_every`,
+    `verbosity` and `terminal` (None: detected) decide what is printed (`job.console`).
     """
 
     def __init__(
@@ -57,8 +47,11 @@ class Telemetry:
         total_steps: int,
         *,
         enabled: bool = True,
-        progress: bool = True,
         start_step: int = 0,
+        log_every: int = 1,
+        verbosity: Verbosity = "normal",
+        terminal: bool | None = None,
+        wandb: WandbRun | None = None,
     ) -> None:
         self.enabled = enabled
         self.output_dir = Path(output_dir)
@@ -82,15 +75,14 @@ class Telemetry:
             str(self.output_dir / "tensorboard"),
             purge_step=start_step + 1 if start_step > 0 else 0,
         )
-        self._bar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            # None: drawn on a terminal only; a log file gets the per-step lines without bars.
-            disable=None if progress else True,
-            mininterval=1.0,
-            unit="step",
-            dynamic_ncols=True,
+        self._console = Console(
+            total_steps,
+            start_step=start_step,
+            log_every=log_every,
+            verbosity=verbosity,
+            terminal=terminal,
         )
+        self._wandb = wandb
 
     @classmethod
     def disabled(cls) -> Telemetry:
@@ -110,13 +102,18 @@ class Telemetry:
         for key, value in record.items():
             if key != "step":
                 self._tensorboard.add_scalar(key, value, step)
-        # tqdm.write prints above the bar, so the bar is redrawn below the line, not broken by it.
+        if self._wandb is not None:
+            self._wandb.log(record)
         if namespace == NAMESPACE:
-            tqdm.write(self._console_line(step, values))
+            self._console.step(step, values)
         else:
             shown = "  ".join(f"{name}={value:.4g}" for name, value in values.items())
-            tqdm.write(f"{namespace.rstrip('/')} at step {step}  {shown}")
-        self._bar.update(step - self._bar.n)
+            self._console.event(f"{namespace.rstrip('/')} at step {step}  {shown}")
+
+    def completions(self, step: int, path: Path) -> None:
+        """An evaluation's completions (the JSONL file `job.evaluation` wrote) to W&B."""
+        if self.enabled and self._wandb is not None:
+            self._wandb.completions(step, _read_records(path))
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Appends (prompt, completion, rewards) rows of one step to samples.jsonl."""
@@ -131,19 +128,18 @@ class Telemetry:
         """Flushes and closes every output and writes `curves.png`; returns its path."""
         if not self.enabled:
             return None
-        self._bar.close()
+        self._console.close()
         self._jsonl.close()
         self._samples.close()
         self._tensorboard.close()
-        return _plot_curves(_read_records(self.jsonl_path), self.output_dir / "curves.png")
-
-    def _console_line(self, step: int, values: dict[str, float]) -> str:
-        shown = [
-            f"{name}={values[name]:.4g}"
-            for name in CONSOLE_KEYS
-            if name in values and (values[name] or name not in SHOWN_WHEN_NONZERO)
-        ]
-        return "  ".join([f"step {step}/{self.total_steps}", *shown])
+        curves = None
+        try:
+            curves = _plot_curves(_read_records(self.jsonl_path), self.output_dir / "curves.png")
+        finally:  # the W&B run ends even when the plot fails (a full disk)
+            if self._wandb is not None:
+                wandb, self._wandb = self._wandb, None
+                wandb.finish(curves)
+        return curves
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
