@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,27 @@ def records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def run_files(output_dir: Path) -> list[Path]:
-    """The `.wandb` files of the offline runs under `<output_dir>/wandb`, oldest first."""
-    return sorted((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+def run_files(output_dir: Path, timeout_s: float = 60.0) -> list[Path]:
+    """The `.wandb` files of the offline runs under `<output_dir>/wandb`, oldest first, once
+    each is complete: `run.finish()` returns before W&B's core has written the file (measured:
+    empty right after the first finish in a process, whole 3 s later), so wait for its exit
+    record."""
+    files = sorted((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + timeout_s
+    for path in files:
+        while not _has_exit(path):
+            assert time.monotonic() < deadline, f"{path} has no exit record after {timeout_s} s"
+            time.sleep(0.2)
+    return files
+
+
+def _has_exit(path: Path) -> bool:
+    from google.protobuf.message import DecodeError
+
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+    except (AssertionError, DecodeError):  # no header yet, or a record half written
+        return False
 
 
 def history(path: Path) -> list[dict[str, Any]]:
