@@ -278,7 +278,10 @@ class CheckpointSection:
     interval: int = field(default=0, metadata=NON_NEGATIVE)
     """Save every N steps (0: never)."""
     keep_latest_k: int = field(default=2, metadata=POSITIVE)
+    """Committed checkpoints kept: older ones are deleted after each save commits."""
     async_save: bool = False
+    """Save in the background (DCP's async save of a copy of the state): the step
+    blocks only for the copy; the next save waits for the previous one to commit."""
     export_hf: bool = False
     """Also write `step-<N>/hf` beside each step saved every `interval`: what `titan-learner
     export` writes (a directory transformers and `vllm serve` load as it is), in a process of
