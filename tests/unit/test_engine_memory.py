@@ -110,3 +110,25 @@ def test_engines_the_host_cannot_hold_are_refused_by_train_and_a_warning_in_chec
 @pytest.mark.skipif(torch.cuda.is_available(), reason="engines on CPU only")
 def test_the_job_sized_cache_passes_without_a_word(vllm_job):
     assert validate(vllm_job(), world_size=1).warnings == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="engines on CPU only")
+def test_check_counts_each_ranks_engine_in_its_memory_table(vllm_job):
+    from titan_learner.cli.check import plan, render
+    from titan_learner.model.hf_config import learner_hf_config
+
+    config = vllm_job()
+    on_cpu = plan(config, 1)
+    memory = engine_memory(
+        learner_hf_config(config), torch.bfloat16, rows=4 * 2, max_model_len=1024 + 6
+    )  # the job's rows and context, at its export dtype
+    assert on_cpu.bytes_per_rank["vllm"] == memory.weights + memory.kv_cache
+    assert plan(vllm_job(kv_cache_memory_bytes=7 << 20), 1).bytes_per_rank["vllm"] == (
+        memory.weights + (7 << 20)
+    )
+    config.learner.device = "cuda"  # a GPU run checked here: the engine's share is said
+    on_gpu = plan(config, 1)
+    assert "vllm" not in on_gpu.bytes_per_rank
+    assert "  vllm: 0.5 of each rank's GPU (gpu_memory_utilization), beside the above" in (
+        render(config, on_gpu).splitlines()
+    )

@@ -26,6 +26,7 @@ class Plan:
     validated: Validated
     bytes_per_rank: dict[str, int]
     skipped_prompts: int | None = None  # None: the data or the tokenizer is not here
+    engine_note: str | None = None  # a GPU engine's share where this machine has no GPU
 
 
 def plan(config: Config, world_size: int) -> Plan:
@@ -39,7 +40,37 @@ def plan(config: Config, world_size: int) -> Plan:
     frozen = frozen_copies(config)
     if frozen:
         memory["frozen"] = frozen * master
-    return Plan(validated=validated, bytes_per_rank=memory, skipped_prompts=skipped)
+    engine, note = engine_memory(config, validated)
+    if engine:
+        memory["vllm"] = engine
+    return Plan(validated, memory, skipped, engine_note=note)
+
+
+def engine_memory(config: Config, v: Validated) -> tuple[int, str | None]:
+    """Each rank's colocated vLLM engine (none with servers or the embedded generator): on CPU
+    its weights and the KV cache the job gives it; on a GPU, its gpu_memory_utilization of the
+    rank's GPU (counted where this machine has one, else said)."""
+    engine = config.rollout.vllm
+    if config.rollout.generator != "vllm" or engine.get("servers"):
+        return 0, None
+    if v.device_type == "cpu":
+        from titan_learner.job.vllm_checks import engine_rows
+        from titan_learner.model.hf_config import learner_hf_config
+        from titan_learner.vllm.engine_memory import job_engine_memory
+
+        rows = engine_rows(config, v.dp_replicate * v.dp_shard)
+        memory = job_engine_memory(config, learner_hf_config(config), rows=rows)
+        kv_cache = engine.get("kv_cache_memory_bytes", memory.kv_cache)
+        return memory.weights + kv_cache, None
+    import torch
+
+    from titan_learner.vllm.engine_memory import GPU_ENGINE_SHARE
+
+    share = engine.get("gpu_memory_utilization", GPU_ENGINE_SHARE)
+
+    if torch.cuda.is_available():
+        return int(share * torch.cuda.get_device_properties(0).total_memory), None
+    return 0, f"vllm: {share} of each rank's GPU (gpu_memory_utilization), beside the above"
 
 
 def read_prompts(config: Config) -> int | None:
@@ -76,10 +107,12 @@ def render(config: Config, p: Plan) -> str:
         f"parameters: {v.parameters:,} ({v.parameters / 1e9:.2f} B)",
         "memory per rank (fp32 masters, gradients and Adam moments, and any frozen copies: the "
         "KL reference, weights kept for stale steps; sharded over dp_shard x tp; activations "
-        "excluded):",
+        "excluded; vllm: a colocated engine's weights and KV cache):",
     ]
     lines += [f"  {k:<10} {_size(n):>12}" for k, n in p.bytes_per_rank.items()]
     lines.append(f"  {'total':<10} {_size(total):>12}")
+    if p.engine_note:
+        lines.append(f"  {p.engine_note}")
     if p.skipped_prompts:
         lines.append(f"prompts: {p.skipped_prompts} longer than max_prompt_tokens, to be skipped")
     lines += [f"warning: {warning}" for warning in v.warnings]

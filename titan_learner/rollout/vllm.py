@@ -22,6 +22,7 @@ from titan_learner.rollout.base import (
     rollout_from_lists,
 )
 from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.engine_memory import GPU_ENGINE_SHARE
 from titan_learner.vllm.errors import engine_start_error
 from titan_learner.vllm.plugin import register
 from titan_learner.weights.matching import match_named_tensors
@@ -161,7 +162,7 @@ class VLLMGenerator:
         self.weights_version = 0
         engine_kwargs.setdefault("logprobs_mode", "raw_logprobs")
         if device is not None and device.type == "cuda":
-            engine_kwargs.setdefault("gpu_memory_utilization", 0.5)
+            engine_kwargs.setdefault("gpu_memory_utilization", GPU_ENGINE_SHARE)
         one_gpu = engine_kwargs.get("tensor_parallel_size", 1) == 1
         on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
         self.weight_transfer = resolve_weight_transfer(

@@ -28,6 +28,9 @@ CPU_MAX_NUM_SEQS = 256
 KV_BLOCK_TOKENS = 128
 """A sequence's KV cache is held in blocks; sized in these, a sequence never lacks a block."""
 SIZING_KEYS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+GPU_ENGINE_SHARE = 0.5
+"""An engine on the rank's own GPU, beside the learner: its gpu_memory_utilization unless
+[rollout.vllm] sets one."""
 
 
 @dataclass(frozen=True)
