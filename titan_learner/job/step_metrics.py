@@ -8,7 +8,12 @@ tensors, the same on every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from titan_learner.config.schema import Config
 
 
 def rollout_metrics(
@@ -33,3 +38,17 @@ def rollout_metrics(
         "advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
         "advantage_abs_max": float(advantages.abs().max()),
     }
+
+
+def shaping_metrics(
+    config: Config, rewards: torch.Tensor, shaped: torch.Tensor, kl_penalty: torch.Tensor
+) -> dict[str, float]:
+    """What the job added to the configured rewards `[N]`: DAPO's overlong penalty (in
+    `shaped`) and the KL penalty subtracted with `[kl] placement = "reward"`, each a mean per
+    completion, reported only when configured."""
+    out = {}
+    if config.rollout.overlong_buffer:
+        out["overlong_penalty_mean"] = float((shaped - rewards).mean())
+    if config.kl.placement == "reward":
+        out["kl_reward_mean"] = float(kl_penalty.mean())
+    return out
