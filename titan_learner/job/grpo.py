@@ -87,12 +87,14 @@ def read_inputs(config: Config) -> JobInputs:
 
 
 def sampling_rng(
-    seed: int, step: int, data_parallel_rank: int, device: torch.device
+    seed: int, step: int, data_parallel_rank: int, device: torch.device, attempt: int = 0
 ) -> torch.Generator:
-    """A step's sampling stream, from (seed, step, data-parallel rank): nothing to checkpoint;
-    tensor-parallel peers share it, so they sample alike. On the generator's device."""
+    """A step's sampling stream, from (seed, step, data-parallel rank, and the round of
+    dynamic sampling): nothing to checkpoint; tensor-parallel peers share it, so they sample
+    alike. On the generator's device."""
     rng = torch.Generator(device=device)
-    rng.manual_seed((seed * 1_000_003 + step) * 7919 + 104_729 * (1 + data_parallel_rank))
+    seed = (seed * 1_000_003 + step) * 7919 + 104_729 * (1 + data_parallel_rank)
+    rng.manual_seed((seed + attempt * 2_147_483_629) % 2**64)
     return rng
 
 
@@ -481,16 +483,23 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
             local=local,
         )
 
-    def take_sample(prompts: list[Prompt], step: int) -> Sampled:
-        rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
+    def take_sample(prompts: list[Prompt], step: int, attempt: int = 0) -> Sampled:
+        rank, device = learner.data_parallel_rank, learner.device
+        rng = sampling_rng(config.run.seed, step, rank, device, attempt)
         return sample(config, learner, generator, prompts, rng)
+
+    def score(sampled: Sampled) -> tuple[list[str], list[Prompt], Scores]:
+        group = config.rollout.group_size
+        return score_rollout(sampled.rollout, sampled.mine, group, inputs.tokenizer, inputs.rewards)
 
     rollouts = None
     try:
         with PreemptionGuard() as preemption:
             if learner.step == 0:
                 evaluation(0)
-            rollouts = make_rollouts(config, learner, generator, loader, take_sample, queued)
+            rollouts = make_rollouts(
+                config, learner, generator, loader, take_sample, queued, score=score
+            )
             is_sync_point = sync_points(config)
             scorer = (
                 BehaviourScorer(config, learner, is_sync_point, start=learner.step)
