@@ -81,11 +81,12 @@ class DynamicSamplingRollouts(Rollouts):
         start = time.perf_counter()
         kept: list[Group] = []
         dropped: list[Group] = []
-        rounds = 0
+        rounds, errors = 0, 0
         while rounds < self.config.rollout.max_sampling_rounds:
             sampled = self.sample(self.loader.next_step(), step, rounds)
             rounds += 1
             scored = self.score(sampled)
+            errors += scored[2].errors
             rewards = shaped_rewards(
                 self.config, scored[2].total, sampled.rollout.completion_lengths
             )
@@ -99,7 +100,7 @@ class DynamicSamplingRollouts(Rollouts):
                 break
         filled = self.share - len(kept)
         kept += dropped[:filled]  # a short share after the last round: as plain GRPO would
-        sampled = joined(kept, time.perf_counter() - start)
+        sampled = joined(kept, time.perf_counter() - start, errors)
         sampled.metrics.update(
             sampling_rounds=float(rounds),
             groups_dropped=self._summed(len(dropped) - filled),
@@ -125,15 +126,16 @@ class DynamicSamplingRollouts(Rollouts):
         return float(value.item())
 
 
-def joined(groups: list[Group], seconds: float) -> Sampled:
-    """One `Sampled` of `groups` (in order), with their prompts and scores."""
+def joined(groups: list[Group], seconds: float, errors: int) -> Sampled:
+    """One `Sampled` of `groups` (in order), with their prompts and scores; `errors`: the
+    reward errors of every round (training/reward_errors counts them all)."""
     from titan_learner.job.grpo import Sampled
 
     rounds: dict[int, tuple[Group, list[int]]] = {}
     for group in groups:  # by round, each round's groups in order
         rounds.setdefault(id(group.sampled), (group, []))[1].append(group.index)
     rollouts, mine, texts, owners, totals, per_reward = [], [], [], [], [], {}
-    errors, messages = 0, []
+    messages = []
     for first, indices in rounds.values():
         sampled, (round_texts, round_owners, scores) = first.sampled, first.scored
         size = sampled.rollout.group_size
@@ -145,7 +147,7 @@ def joined(groups: list[Group], seconds: float) -> Sampled:
         totals.append(scores.total[rows])
         for name, values in scores.per_reward.items():
             per_reward.setdefault(name, []).append(values[rows])
-        errors, messages = errors + scores.errors, messages + scores.messages
+        messages += scores.messages
     scores = Scores(
         torch.cat(totals), {k: torch.cat(v) for k, v in per_reward.items()}, errors, messages
     )
