@@ -112,13 +112,23 @@ def test_batch_shaping_is_checked_before_any_compute(overrides, message):
     assert message in str(err.value)
 
 
-def test_the_dapo_settings_pass_on_the_toy():
+def test_the_dapo_settings_pass_on_the_toy_and_survive_the_resolved_config():
+    """What a checkpoint root keeps (`config_to_toml`) reads back to the same settings."""
+    import tomllib
+
+    from titan_learner.config.toml import config_from_dict, config_to_toml
+
     keys = [
         "rollout.dynamic_sampling=true",
+        "rollout.max_sampling_rounds=4",
         "rollout.overlong_buffer=4",
+        "rollout.overlong_penalty=0.5",
         "loss.mask_truncated=true",
         'kl.placement="reward"',
         "kl.coeff=0.001",
         'kl.estimator="k2"',
     ]
-    validate(load_config(TOY, keys), 1)
+    config = load_config(TOY, keys)
+    validate(config, 1)
+    again = config_from_dict(tomllib.loads(config_to_toml(config)), config.source)
+    assert (again.kl, again.rollout, again.loss) == (config.kl, config.rollout, config.loss)
