@@ -93,8 +93,8 @@ def sampling_rng(
     dynamic sampling): nothing to checkpoint; tensor-parallel peers share it, so they sample
     alike. On the generator's device."""
     rng = torch.Generator(device=device)
-    seed = (seed * 1_000_003 + step) * 7919 + 104_729 * (1 + data_parallel_rank)
-    rng.manual_seed((seed + attempt * 2_147_483_629) % 2**64)
+    base = (seed * 1_000_003 + step) * 7919 + 104_729 * (1 + data_parallel_rank)
+    rng.manual_seed((base + attempt * 2_147_483_629) % 2**64)
     return rng
 
 
@@ -278,7 +278,7 @@ def train_on(
     parts = 1 if budget else config.learner.grad_accum_steps
     if reference is not None:  # the loss's KL reads them, or the reward's below
         batch = with_reference_log_probs(batch, reference, parts)
-    kl_penalty = torch.zeros(batch.batch_size[0])
+    kl_penalty = None
     if kl_in_reward(config):
         batch, kl_penalty = penalized(batch, config.kl.coeff, reward_estimator(config), group)
     if config.loss.kwargs.get("mask_truncated"):
@@ -318,7 +318,12 @@ def train_on(
         **{f"reward/{name}_mean": float(values.mean()) for name, values in per_reward.items()},
         reward_errors=float(errors.sum()),
         **rollout_metrics(shaped, advantages, lengths, finished > 0, group),
-        **shaping_metrics(config, all_rewards, shaped, gather_over(kl_penalty, dp_group, device)),
+        **shaping_metrics(
+            config,
+            all_rewards,
+            shaped,
+            None if kl_penalty is None else gather_over(kl_penalty, dp_group, device),
+        ),
         tokens_per_s=float(tokens.sum()) / total_s,
         rollout_s=rollout_s,
         rollout_wait_s=waited_s,

@@ -41,14 +41,17 @@ def rollout_metrics(
 
 
 def shaping_metrics(
-    config: Config, rewards: torch.Tensor, shaped: torch.Tensor, kl_penalty: torch.Tensor
+    config: Config,
+    rewards: torch.Tensor,
+    shaped: torch.Tensor,
+    kl_penalty: torch.Tensor | None,
 ) -> dict[str, float]:
-    """What the job added to the configured rewards `[N]`: DAPO's overlong penalty (in
-    `shaped`) and the KL penalty subtracted with `[kl] placement = "reward"`, each a mean per
-    completion, reported only when configured."""
+    """What the job did to the configured rewards `[N]`: DAPO's overlong penalty (added in
+    `shaped`) and the KL penalty subtracted with `[kl] placement = "reward"` (None without),
+    each a mean per completion, reported only when configured."""
     out = {}
     if config.rollout.overlong_buffer:
         out["overlong_penalty_mean"] = float((shaped - rewards).mean())
-    if config.kl.placement == "reward":
+    if kl_penalty is not None:
         out["kl_reward_mean"] = float(kl_penalty.mean())
     return out
