@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.test_train import TOY
 from tests.support.toy import rewards_of
 from tests.unit.test_reward_shaping import dapo_by_hand
 from titan_learner.config.toml import load_config
@@ -28,7 +29,7 @@ G, PROMPTS, MAX_NEW, BUFFER, PENALTY, COEFF = 4, 4, 8, 3, 0.5, 0.05
 
 def test_train_on_trains_the_shaped_advantages_and_skips_truncated_rows():
     config = load_config(
-        "configs/toy_grpo.toml",
+        TOY,
         [
             f"rollout.group_size={G}",
             f"rollout.prompts_per_step={PROMPTS}",

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.integration.test_train import short_run, training_lines
+from tests.integration.test_train import TOY, short_run, training_lines
 from tests.support.worlds import run_world
 from titan_learner.config.toml import load_config
 from titan_learner.data.loader import Prompt, PromptLoader
@@ -50,7 +50,7 @@ def rollout_of(mine: list[Prompt], seed: int):
 def rounds_of(rewards_per_round: list[list[float]], max_rounds: int):
     """A DynamicSamplingRollouts on one rank whose round r scores `rewards_per_round[r]`."""
     config = load_config(
-        "configs/toy_grpo.toml",
+        TOY,
         [*DYNAMIC, "rollout.prompts_per_step=3", f"rollout.max_sampling_rounds={max_rounds}"],
     )
     learner = SimpleNamespace(

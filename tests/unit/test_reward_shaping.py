@@ -7,6 +7,7 @@ hand; every contradictory or meaningless setting is one ConfigError line before 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from titan_learner.config.validate import validate
 from titan_learner.job.reward_shaping import overlong_penalty, without_truncated
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, trained_mask
 
-TOY = "configs/toy_grpo.toml"
+TOY = Path(__file__).parents[2] / "configs" / "toy_grpo.toml"
 
 
 def dapo_by_hand(length: int, max_len: int, buffer: int, penalty: float) -> float:
