@@ -97,7 +97,11 @@ def test_rounds_go_on_until_the_share_is_full_then_surplus_is_left_out():
     rollouts, loader = rounds_of([[*flat, *useful, *flat], [*useful, *useful, *useful]], 5)
     taken = rollouts.take(1)
     # round 1 keeps its group 1; round 2 fills the share with its groups 0 and 1
-    assert taken.sampled.metrics == {"sampling_rounds": 2.0, "groups_dropped": 2.0}
+    assert taken.sampled.metrics == {
+        "sampling_rounds": 2.0,
+        "groups_dropped": 2.0,
+        "groups_surplus": 1.0,
+    }
     assert loader.position == 6, "two rounds of prompts_per_step = 3"
     again = PromptLoader(prompts(12), 3, seed=0)
     first, second = again.next_step(), again.next_step()
@@ -113,7 +117,11 @@ def test_after_the_last_round_a_short_share_is_filled_with_dropped_groups():
     rollouts, loader = rounds_of([[*flat, 0.0, 1.0, 0.0, 1.0, *flat], [*flat, *flat, *flat]], 2)
     taken = rollouts.take(1)
     # 1 useful group, 2 of the 5 dropped fill the share: 3 left out
-    assert taken.sampled.metrics == {"sampling_rounds": 2.0, "groups_dropped": 3.0}
+    assert taken.sampled.metrics == {
+        "sampling_rounds": 2.0,
+        "groups_dropped": 3.0,
+        "groups_surplus": 0.0,
+    }
     assert taken.sampled.rollout.num_sequences == 3 * G and loader.position == 6
 
 
@@ -132,7 +140,7 @@ def test_two_ranks_agree_on_the_rounds_and_resume_exactly(tmp_path):
     whole = rank0["whole"]
     assert max(m["sampling_rounds"] for m in whole) >= 2, "the toy drops groups: more rounds"
     assert all(m["groups_zero_variance_fraction"] == 0 for m in whole if m["sampling_rounds"] < 10)
-    for key in ("sampling_rounds", "groups_dropped", "reward_mean", "loss_objective"):
+    for key in ("sampling_rounds", "groups_dropped", "groups_surplus", "reward_mean"):
         assert [m[key] for m in rank1["whole"]] == [m[key] for m in whole], key
     for got, want in zip(rank0["first"] + rank0["resumed"], whole, strict=True):
         for key in ("sampling_rounds", "groups_dropped", "epoch", "reward_mean", "loss_objective"):

@@ -178,7 +178,8 @@ class RolloutSection:
     the rounds), at most `max_sampling_rounds` (then the rest of a share is made of dropped
     groups, as plain GRPO would train them). The data moves `prompts_per_step` prompts per
     round, saved with each checkpoint: a resume is exact. Logged as training/sampling_rounds
-    and training/groups_dropped. Needs max_off_policy_steps = 0."""
+    and training/groups_dropped (useful groups beyond a full share: training/groups_surplus).
+    Needs max_off_policy_steps = 0."""
     max_sampling_rounds: int = field(default=10, metadata=POSITIVE)
     """dynamic_sampling: the most rounds of `prompts_per_step` prompts one step samples
     (verl's `max_num_gen_batches`)."""

@@ -11,12 +11,13 @@ shaping included, the KL penalty not) up to its share of `prompts_per_step`. Rou
 until every rank is full, the ranks agreeing through one all-reduce per round, or
 `max_sampling_rounds` were sampled: a rank still short then fills its share with the groups
 it dropped, as plain GRPO would train them, so every rank trains the same number of groups.
-Useful groups beyond a full share are left out (as verl truncates the batch).
+Useful groups beyond a full share are left out (as verl truncates the batch) and counted.
 
 The data moves `prompts_per_step` prompts a round and its position is saved with each
-checkpoint, so a resumed run samples what an uninterrupted one did. Reported: the rounds
-(training/sampling_rounds) and the groups left out for equal rewards over every rank
-(training/groups_dropped).
+checkpoint, so a resumed run samples what an uninterrupted one did. Reported, over every
+rank: the rounds (training/sampling_rounds), the groups left out for equal rewards
+(training/groups_dropped) and the useful ones left out of a full share
+(training/groups_surplus): no sampled prompt goes untrained unseen.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class DynamicSamplingRollouts(Rollouts):
         start = time.perf_counter()
         kept: list[Group] = []
         dropped: list[Group] = []
-        rounds, errors = 0, 0
+        rounds, errors, surplus = 0, 0, 0
         while rounds < self.config.rollout.max_sampling_rounds:
             sampled = self.sample(self.loader.next_step(), step, rounds)
             rounds += 1
@@ -96,6 +97,8 @@ class DynamicSamplingRollouts(Rollouts):
                     dropped.append(group)
                 elif len(kept) < self.share:
                     kept.append(group)
+                else:
+                    surplus += 1
             if self._most_missing(self.share - len(kept)) == 0:
                 break
         filled = self.share - len(kept)
@@ -104,6 +107,7 @@ class DynamicSamplingRollouts(Rollouts):
         sampled.metrics.update(
             sampling_rounds=float(rounds),
             groups_dropped=self._summed(len(dropped) - filled),
+            groups_surplus=self._summed(surplus),
         )
         return Taken(step, sampled, self.loader.epoch, step - 1, sampled.seconds)
 
