@@ -90,7 +90,9 @@ def read_prompts(config: Config) -> int | None:
 def frozen_copies(config: Config) -> int:
     """Parameter copies the job holds besides the policy, sharded like it: the KL reference,
     and the weights kept for stale steps' log-prob mismatch (k for k steps off-policy)."""
-    reference = 1 if config.loss.kwargs.get("kl_to_ref_coeff") else 0
+    from titan_learner.job.kl_reward import uses_reference
+
+    reference = 1 if uses_reference(config) else 0
     rollout = config.rollout
     kept = rollout.max_off_policy_steps if rollout.stale_logprob_mismatch else 0
     return reference + kept

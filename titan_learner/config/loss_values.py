@@ -60,6 +60,7 @@ LOSS_KEYS: dict[str, LossKey] = {
     "ref_log_prob_padding_side": LossKey(Literal[PADDING_SIDES]),
     "ref_log_prob_padding_value": LossKey(float),
     "tis_cap": LossKey(float, {"min": 1}),  # this project's (titan_learner.learner.losses)
+    "mask_truncated": LossKey(bool),  # this project's (titan_learner.job.reward_shaping)
 }
 UNREAD_KEYS = ("gamma", "clip_value")
 """Keyword arguments TorchRL's GRPO-family losses take and never read (no value function)."""

@@ -167,6 +167,27 @@ class LossSection:
 
 
 @dataclass
+class KLSection:
+    """The KL to the reference policy (the initial weights): in the loss or in the reward.
+
+    placement = "loss": TorchRL's term in the loss, coeff x mean over trained tokens of k3; its
+    coefficient is [loss] kl_to_ref_coeff (TorchRL's key, unchanged), so [kl] coeff stays 0
+    and the estimator k3 (the only one TorchRL's loss has). placement = "reward" (verl's
+    `use_kl_in_reward`): each completion's reward is reduced by coeff x the sum of its token
+    KLs before the group advantage (titan_learner.job.kl_reward), with [loss] kl_to_ref_coeff
+    unset (one KL, not two)."""
+
+    placement: Literal["loss", "reward"] = "loss"
+    coeff: float = field(default=0.0, metadata={"min": 0.0})
+    """placement = "reward" only: the KL coefficient (verl's `kl_ctrl.kl_coef`); > 0."""
+    estimator: Literal["k1", "k2", "k3"] | None = None
+    """The per-token estimate of KL(pi || pi_ref) from r = log pi - log pi_ref (verl's
+    `kl_penalty`): k1 = r ("kl"), k2 = r^2 / 2 ("mse"), k3 = exp(-r) - 1 + r ("low_var_kl",
+    clamped to [-10, 10] as verl does). Default: k3 in the loss (TorchRL's), k1 in the reward
+    (verl's default)."""
+
+
+@dataclass
 class RolloutSection:
     generator: Literal["hf", "vllm"] = "hf"
     """hf: an in-process transformers model per rank (the embedded default); vllm: engines."""
@@ -187,6 +208,24 @@ class RolloutSection:
     stale step was sampled from (a frozen copy of the model, sharded like it, plus one copy per
     further version in flight) and scoring the batch under them: one forward without gradient
     per stale step. false: reported on on-policy steps only."""
+    dynamic_sampling: bool = False
+    """DAPO's "dynamic sampling": a group whose rewards are all equal (zero advantage) is
+    dropped and more prompts are sampled, round after round, until every data-parallel rank
+    holds its share of `prompts_per_step` groups with a learning signal (the ranks agree on
+    the rounds), at most `max_sampling_rounds` (then the rest of a share is made of dropped
+    groups, as plain GRPO would train them). The data moves `prompts_per_step` prompts per
+    round, saved with each checkpoint: a resume is exact. Logged as training/sampling_rounds
+    and training/groups_dropped (useful groups beyond a full share: training/groups_surplus).
+    Needs max_off_policy_steps = 0."""
+    max_sampling_rounds: int = field(default=10, metadata=POSITIVE)
+    """dynamic_sampling: the most rounds of `prompts_per_step` prompts one step samples
+    (verl's `max_num_gen_batches`)."""
+    overlong_buffer: int = field(default=0, metadata=NON_NEGATIVE)
+    """DAPO's "overlong reward shaping" ("soft overlong punishment"): with N > 0, a completion
+    of L tokens loses (L - (max_new_tokens - N)) / N x overlong_penalty of its reward when
+    L > max_new_tokens - N (0 below): a linear ramp over the last N tokens. 0: off."""
+    overlong_penalty: float = field(default=1.0, metadata={"min": 0.0})
+    """The reward lost at max_new_tokens (verl's `overlong_buffer.penalty_factor`)."""
     model_path: str | None = None
     """vllm only: the HF directory (config.json + safetensors) the engines start from; default:
     [model] hf_checkpoint. Its parameter shapes must be the learner's; the learner's weights
@@ -347,6 +386,7 @@ class Config:
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
     learner: LearnerSection = field(default_factory=LearnerSection)
     loss: LossSection = field(default_factory=LossSection)
+    kl: KLSection = field(default_factory=KLSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)

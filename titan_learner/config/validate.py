@@ -23,7 +23,7 @@ from titan_learner.config.schema import Config, LossSection
 
 # The TorchRL loss class behind each [loss] name, imported only when one is built or checked.
 LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss"}
-PROJECT_LOSS_KEYS = ("tis_cap",)
+PROJECT_LOSS_KEYS = ("tis_cap", "mask_truncated")
 """[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.losses)."""
 
 
@@ -65,6 +65,7 @@ def validate_fields(config: Config) -> None:
             where="[checkpoint] export_hf",
         )
     check_loss_kwargs(config.loss, config.source)
+    check_kl(config)
 
 
 # -- the loss -------------------------------------------------------------------------------------
@@ -100,6 +101,40 @@ def check_loss_kwargs(section: LossSection, source: str) -> None:
             f"dapo takes an asymmetric clip_epsilon = [low, high], got {eps!r}",
             source=source,
             where="[loss] clip_epsilon",
+        )
+
+
+def check_kl(config: Config) -> None:
+    """One KL to the reference, in one place: [kl] placement says where, and the coefficient
+    lives with it ([loss] kl_to_ref_coeff in the loss, [kl] coeff in the reward)."""
+    kl, in_loss = config.kl, config.loss.kwargs.get("kl_to_ref_coeff")
+    if kl.placement == "loss" and kl.coeff:
+        raise ConfigError(
+            f"coeff = {kl.coeff} with placement = 'loss': the KL in the loss is TorchRL's, its "
+            "coefficient is [loss] kl_to_ref_coeff; allowed: [loss] kl_to_ref_coeff = "
+            f"{kl.coeff}, or [kl] placement = 'reward'",
+            source=config.source,
+            where="[kl] coeff",
+        )
+    if kl.placement == "loss" and kl.estimator not in (None, "k3"):
+        raise ConfigError(
+            f"'{kl.estimator}' with placement = 'loss': TorchRL's KL in the loss is k3; "
+            "allowed: 'k3', or placement = 'reward' (k1, k2, k3)",
+            source=config.source,
+            where="[kl] estimator",
+        )
+    if kl.placement == "reward" and in_loss:
+        raise ConfigError(
+            f"placement = 'reward' and [loss] kl_to_ref_coeff = {in_loss} would count the KL "
+            "twice; allowed: one of them ([kl] coeff for the reward)",
+            source=config.source,
+            where="[kl] placement",
+        )
+    if kl.placement == "reward" and not kl.coeff:
+        raise ConfigError(
+            "placement = 'reward' with coeff = 0 penalizes nothing; allowed: coeff > 0",
+            source=config.source,
+            where="[kl] coeff",
         )
 
 

@@ -87,8 +87,31 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
             source=source,
             where="[learner] grad_accum_steps",
         )
+    check_batch_shaping(config)
     if config.rollout.generator == "vllm":
         check_vllm_structure(config, data_parallel)
+
+
+def check_batch_shaping(config: Config) -> None:
+    """DAPO's batch shaping: dynamic sampling scores each round before it decides on the next
+    (a collective between rounds, which the off-policy sampling thread cannot make), and the
+    overlong buffer is a part of max_new_tokens."""
+    rollout = config.rollout
+    if rollout.dynamic_sampling and rollout.max_off_policy_steps:
+        raise ConfigError(
+            f"dynamic_sampling scores every round before sampling the next; with "
+            f"max_off_policy_steps = {rollout.max_off_policy_steps} rollouts are sampled ahead "
+            "in a thread; allowed: max_off_policy_steps = 0 with dynamic_sampling",
+            source=config.source,
+            where="[rollout] dynamic_sampling",
+        )
+    if rollout.overlong_buffer > rollout.max_new_tokens:
+        raise ConfigError(
+            f"{rollout.overlong_buffer} tokens is longer than max_new_tokens = "
+            f"{rollout.max_new_tokens}; allowed: 0 (off) to {rollout.max_new_tokens}",
+            source=config.source,
+            where="[rollout] overlong_buffer",
+        )
 
 
 def check_sequence_length(config: Config, max_seq_len: int) -> None:

@@ -19,7 +19,7 @@ import resource
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,11 +37,21 @@ from titan_learner.job.collectives import (
     same_within_group,
 )
 from titan_learner.job.console import Verbosity
+from titan_learner.job.kl_reward import (
+    kl_in_reward,
+    penalized,
+    reward_estimator,
+    uses_reference,
+)
+from titan_learner.job.reward_shaping import shaped_rewards, without_truncated
 from titan_learner.job.run_directory import Resume, RunDirectory
 from titan_learner.job.scoring import score_rollout
+from titan_learner.job.step_metrics import shaping_metrics
 from titan_learner.job.validate import validate
+from titan_learner.learner.batch import REF_LOG_PROBS_KEY
 from titan_learner.ranks import rank
-from titan_learner.rewards.runner import Reward, build_rewards
+from titan_learner.rewards.runner import Reward, Scores, build_rewards
+from titan_learner.rollout.base import FINISHED_KEY, REWARD_KEY
 
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
@@ -80,12 +90,14 @@ def read_inputs(config: Config) -> JobInputs:
 
 
 def sampling_rng(
-    seed: int, step: int, data_parallel_rank: int, device: torch.device
+    seed: int, step: int, data_parallel_rank: int, device: torch.device, attempt: int = 0
 ) -> torch.Generator:
-    """A step's sampling stream, from (seed, step, data-parallel rank): nothing to checkpoint;
-    tensor-parallel peers share it, so they sample alike. On the generator's device."""
+    """A step's sampling stream, from (seed, step, data-parallel rank, and the round of
+    dynamic sampling): nothing to checkpoint; tensor-parallel peers share it, so they sample
+    alike. On the generator's device."""
     rng = torch.Generator(device=device)
-    rng.manual_seed((seed * 1_000_003 + step) * 7919 + 104_729 * (1 + data_parallel_rank))
+    base = (seed * 1_000_003 + step) * 7919 + 104_729 * (1 + data_parallel_rank)
+    rng.manual_seed((base + attempt * 2_147_483_629) % 2**64)
     return rng
 
 
@@ -184,11 +196,16 @@ class StepResult:
 
 @dataclass
 class Sampled:
-    """One step's rollout on this rank, and the prompts it answers."""
+    """One step's rollout on this rank, and the prompts it answers.
+
+    `scored`: its `score_rollout` result when the sampling already scored it (dynamic
+    sampling); `metrics`: what the sampling reports for the step."""
 
     rollout: Rollout
     mine: list[Prompt]
     seconds: float
+    scored: tuple[list[str], list[Prompt], Scores] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def sample(config: Config, learner, generator, prompts: list[Prompt], rng) -> Sampled:
@@ -207,6 +224,15 @@ def sample(config: Config, learner, generator, prompts: list[Prompt], rng) -> Sa
     return Sampled(rollout, mine, time.perf_counter() - start)
 
 
+def with_reference_log_probs(batch: TensorDictBase, reference, parts: int) -> TensorDictBase:
+    """The batch with the reference's log-probs (`ReferenceModel.kl_log_probs`), scored in
+    `parts` pieces, the micro-batches the update takes: a collective, bounded like the update."""
+    scored = torch.cat([reference.kl_log_probs(part) for part in batch.chunk(parts)])
+    out = batch.clone(recurse=False)
+    out.set(REF_LOG_PROBS_KEY, scored)
+    return out
+
+
 def train_on(
     config: Config,
     learner,
@@ -223,9 +249,12 @@ def train_on(
     `waited_s`: how long the step waited for its rollout, when it was sampled ahead of it
     (`rollout_s` is then the sampling's own time, spent alongside earlier updates).
 
-    With a `reference` (a `ReferenceModel`, for `kl_to_ref_coeff`), its log-probs join each
-    micro-batch (already the same within a tensor-parallel group) before its update; that
-    forward is timed as part of `update_s`.
+    The rewards are the configured ones plus DAPO's overlong shaping (job.reward_shaping).
+    With a `reference` (a `ReferenceModel`: a KL in the loss or the reward, job.kl_reward),
+    its log-probs join the batch (already the same within a tensor-parallel group) before the
+    advantage, scored in the update's micro-batches; that forward is timed as part of
+    `update_s`. With `[kl] placement = "reward"` the advantage is then taken again from the
+    rewards less the KL penalty.
 
     `on_policy=False` (a batch sampled from older weights): the learner's forward measures no
     engine mismatch, its `logprob_mismatch` is dropped. `before_update(batch)`: metrics
@@ -234,7 +263,7 @@ def train_on(
     """
     from titan_learner.job.advantage import group_advantages
     from titan_learner.job.step_metrics import rollout_metrics
-    from titan_learner.learner.batch import ATTENTION_MASK_KEY, REF_LOG_PROBS_KEY
+    from titan_learner.learner.batch import ADVANTAGE_KEY, ATTENTION_MASK_KEY
     from titan_learner.learner.normalization import step_counts
 
     group = config.rollout.group_size
@@ -242,23 +271,32 @@ def train_on(
     rollout, mine, rollout_s = sampled.rollout, sampled.mine, sampled.seconds
 
     start = time.perf_counter()
-    texts, owners, scores = score_rollout(rollout, mine, group, inputs.tokenizer, inputs.rewards)
-    rewards = scores.total
+    texts, owners, scores = sampled.scored or score_rollout(
+        rollout, mine, group, inputs.tokenizer, inputs.rewards
+    )
+    rewards = shaped_rewards(config, scores.total, rollout.completion_lengths)
     batch = rollout.to_batch(group_advantages(rewards, group), rewards)
     batch = same_within_group(batch, learner.tensor_parallel_group)
     reward_s = time.perf_counter() - start
 
     start = time.perf_counter()
     measured = before_update(batch) if before_update is not None else {}
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = dict(sampled.metrics)
     # A token budget: the learner splits the whole batch itself (one call, one step).
     budget = config.learner.max_tokens_per_microbatch
-    micros = [batch] if budget else batch.chunk(config.learner.grad_accum_steps)
+    parts = 1 if budget else config.learner.grad_accum_steps
+    if reference is not None:  # the loss's KL reads them, or the reward's below
+        batch = with_reference_log_probs(batch, reference, parts)
+    kl_penalty = None
+    if kl_in_reward(config):
+        batch, kl_penalty = penalized(batch, config.kl.coeff, reward_estimator(config), group)
+    if config.loss.kwargs.get("mask_truncated"):
+        batch = without_truncated(batch, batch.get(FINISHED_KEY))
+    micros = [batch] if budget else batch.chunk(parts)
     counts = None if budget else step_counts(micros)  # the step's mean is over all its tokens
     for micro in micros:
-        if reference is not None:  # a collective, per micro-batch (bounded like the update)
-            micro.set(REF_LOG_PROBS_KEY, reference.kl_log_probs(micro))
-        metrics = {k: float(v) for k, v in learner.update(micro, step_counts=counts).items()}
+        updated = {k: float(v) for k, v in learner.update(micro, step_counts=counts).items()}
+    metrics.update(updated)  # the last call's: the one that stepped
     if not on_policy:  # the learner's weights moved on: not an engine mismatch
         for key in ("logprob_mismatch", "logprob_mismatch_max"):
             metrics.pop(key, None)
@@ -269,7 +307,9 @@ def train_on(
     push()
     sync_s = time.perf_counter() - start
 
-    all_rewards = gather_over(rewards, dp_group, device)
+    all_rewards = gather_over(scores.total, dp_group, device)
+    shaped = gather_over(batch.get(REWARD_KEY), dp_group, device)
+    advantages = gather_over(batch.get(ADVANTAGE_KEY).reshape(-1), dp_group, device)
     per_reward = {
         name: gather_over(values, dp_group, device) for name, values in scores.per_reward.items()
     }
@@ -286,8 +326,12 @@ def train_on(
         reward_max=float(all_rewards.max()),
         **{f"reward/{name}_mean": float(values.mean()) for name, values in per_reward.items()},
         reward_errors=float(errors.sum()),
-        **rollout_metrics(
-            all_rewards, group_advantages(all_rewards, group), lengths, finished > 0, group
+        **rollout_metrics(shaped, advantages, lengths, finished > 0, group),
+        **shaping_metrics(
+            config,
+            all_rewards,
+            shaped,
+            None if kl_penalty is None else gather_over(kl_penalty, dp_group, device),
         ),
         tokens_per_s=float(tokens.sum()) / total_s,
         rollout_s=rollout_s,
@@ -305,7 +349,7 @@ def train_on(
             "rendered_prompt": inputs.tokenizer.tokenizer.decode(owners[i].ids),
             "row": owners[i].row,
             "completion": texts[i],
-            "reward": float(rewards[i]),
+            "reward": float(scores.total[i]),
             **{f"reward/{name}": float(v[i]) for name, v in scores.per_reward.items()},
         }
         for i in range(0, len(texts), group)[:SAMPLES_PER_LOG]
@@ -452,11 +496,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     inputs = read_inputs(config)  # every input problem surfaces before the model is built
     learner = TitanLearner.from_config(config)
     # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
-    reference = (
-        ReferenceModel(config, learner.parallel_dims)
-        if config.loss.kwargs.get("kl_to_ref_coeff")
-        else None
-    )
+    reference = ReferenceModel(config, learner.parallel_dims) if uses_reference(config) else None
     loader = PromptLoader(inputs.train, config.rollout.prompts_per_step, config.run.seed)
     say = print if rank() == 0 else (lambda *args, **kwargs: None)
     queued: dict[str, torch.Tensor] = {}  # rollouts sampled ahead, saved at a preemption
@@ -525,16 +565,23 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
         if exports is not None and export:
             exports.after_save(handle, learner.step, asynchronous)
 
-    def take_sample(prompts: list[Prompt], step: int) -> Sampled:
-        rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
+    def take_sample(prompts: list[Prompt], step: int, attempt: int = 0) -> Sampled:
+        rank, device = learner.data_parallel_rank, learner.device
+        rng = sampling_rng(config.run.seed, step, rank, device, attempt)
         return sample(config, learner, generator, prompts, rng)
+
+    def score(sampled: Sampled) -> tuple[list[str], list[Prompt], Scores]:
+        group = config.rollout.group_size
+        return score_rollout(sampled.rollout, sampled.mine, group, inputs.tokenizer, inputs.rewards)
 
     rollouts = None
     try:
         with PreemptionGuard() as preemption:
             if learner.step == 0:
                 evaluation(0)
-            rollouts = make_rollouts(config, learner, generator, loader, take_sample, queued)
+            rollouts = make_rollouts(
+                config, learner, generator, loader, take_sample, queued, score=score
+            )
             is_sync_point = sync_points(config)
             scorer = (
                 BehaviourScorer(config, learner, is_sync_point, start=learner.step)

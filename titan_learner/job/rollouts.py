@@ -272,9 +272,15 @@ def make_rollouts(
     loader: PromptLoader,
     sample: Sample,
     queued: dict[str, torch.Tensor] | None = None,
+    score: Callable | None = None,
 ):
-    """`queued`: a preempted run's saved rollouts (`queued_state()`), trained on first."""
+    """`queued`: a preempted run's saved rollouts (`queued_state()`), trained on first.
+    `score(sampled)`: its rewards, for `[rollout] dynamic_sampling` (job.dynamic_sampling)."""
     k = config.rollout.max_off_policy_steps
+    if config.rollout.dynamic_sampling:  # k = 0: validate refuses it sampled ahead
+        from titan_learner.job.dynamic_sampling import DynamicSamplingRollouts
+
+        return DynamicSamplingRollouts(config, learner, generator, loader, sample, score)
     if k == 0:
         return Rollouts(learner, generator, loader, sample)
     return OffPolicyRollouts(

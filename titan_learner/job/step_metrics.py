@@ -8,7 +8,12 @@ tensors, the same on every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from titan_learner.config.schema import Config
 
 
 def rollout_metrics(
@@ -33,3 +38,20 @@ def rollout_metrics(
         "advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
         "advantage_abs_max": float(advantages.abs().max()),
     }
+
+
+def shaping_metrics(
+    config: Config,
+    rewards: torch.Tensor,
+    shaped: torch.Tensor,
+    kl_penalty: torch.Tensor | None,
+) -> dict[str, float]:
+    """What the job did to the configured rewards `[N]`: DAPO's overlong penalty (added in
+    `shaped`) and the KL penalty subtracted with `[kl] placement = "reward"` (None without),
+    each a mean per completion, reported only when configured."""
+    out = {}
+    if config.rollout.overlong_buffer:
+        out["overlong_penalty_mean"] = float((shaped - rewards).mean())
+    if kl_penalty is not None:
+        out["kl_reward_mean"] = float(kl_penalty.mean())
+    return out

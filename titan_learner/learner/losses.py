@@ -462,6 +462,7 @@ def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
     tis_cap = kwargs.pop("tis_cap", None)
+    kwargs.pop("mask_truncated", None)  # the job's: it leaves truncated rows out of the batch
     try:
         base = PUBLISHED_OBJECTIVES.get(section.name) or loss_class(section.name)
         loss = titan_loss_class(base)(actor, **kwargs)

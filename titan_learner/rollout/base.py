@@ -34,6 +34,7 @@ from titan_learner.learner.batch import (
 
 REWARD_KEY = "reward"
 GROUP_ID_KEY = "group_id"
+FINISHED_KEY = "finished"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 
 
@@ -119,8 +120,9 @@ class Rollout:
         """The learner's batch (titan_learner.learner.batch): prompt + completion, left-padded to `[N, T]`.
 
         The response mask covers the sampled tokens, EOS included; `("log_probs", "full")` holds
-        the behaviour log-probs there and NaN elsewhere; `advantage` is `[N, 1, 1]`. Two extra
-        per-sequence entries ride along: `"reward"` (float32) and `"group_id"` (int64).
+        the behaviour log-probs there and NaN elsewhere; `advantage` is `[N, 1, 1]`. Three extra
+        per-sequence entries ride along: `"reward"` (float32), `"group_id"` (int64) and
+        `"finished"` (bool: ended with an EOS, not cut at max_new_tokens).
         """
         n = self.num_sequences
         advantage = _per_sequence(advantage, n, "advantage")
@@ -153,6 +155,7 @@ class Rollout:
                 ADVANTAGE_KEY: advantage.reshape(n, 1, 1),
                 REWARD_KEY: rewards,
                 GROUP_ID_KEY: self.group_ids,
+                FINISHED_KEY: self.finished.cpu().bool(),
             },
             batch_size=[n],
         )
