@@ -18,7 +18,7 @@ from tests.support.worlds import run_world
 from titan_learner.config.toml import load_config
 from titan_learner.data.loader import Prompt, PromptLoader
 from titan_learner.job.dynamic_sampling import DynamicSamplingRollouts, equal_reward_groups
-from titan_learner.job.grpo import Sampled
+from titan_learner.job.sampled import Sampled
 from titan_learner.rewards.runner import Scores
 from titan_learner.rollout.base import rollout_from_lists
 from titan_learner.rollout.groups import join_rollouts, select_groups

@@ -38,7 +38,7 @@ from titan_learner.rollout.groups import group_rows, join_rollouts, select_group
 if TYPE_CHECKING:
     from titan_learner.config.schema import Config
     from titan_learner.data.loader import PromptLoader
-    from titan_learner.job.grpo import Sampled
+    from titan_learner.job.sampled import Sampled
 
 Scored = tuple[list[str], list, Scores]
 Score = Callable[["Sampled"], Scored]
@@ -133,7 +133,7 @@ class DynamicSamplingRollouts(Rollouts):
 def joined(groups: list[Group], seconds: float, errors: int) -> Sampled:
     """One `Sampled` of `groups` (in order), with their prompts and scores; `errors`: the
     reward errors of every round (training/reward_errors counts them all)."""
-    from titan_learner.job.grpo import Sampled
+    from titan_learner.job.sampled import Sampled
 
     rounds: dict[int, tuple[Group, list[int]]] = {}
     for group in groups:  # by round, each round's groups in order

@@ -19,7 +19,7 @@ import resource
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +45,7 @@ from titan_learner.job.kl_reward import (
 )
 from titan_learner.job.reward_shaping import shaped_rewards, without_truncated
 from titan_learner.job.run_directory import Resume, RunDirectory
+from titan_learner.job.sampled import Sampled, sync_generator
 from titan_learner.job.scoring import score_rollout
 from titan_learner.job.step_metrics import shaping_metrics
 from titan_learner.job.validate import validate
@@ -57,9 +58,7 @@ if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
     from titan_learner.job.telemetry import Telemetry
-    from titan_learner.rollout.base import Rollout
 
-BUCKET_BYTES = 64 * 1024**2
 SAMPLES_PER_LOG = 4
 
 
@@ -160,17 +159,6 @@ def build_server_generator(config: Config, hf_model_config, dtype: torch.dtype, 
     )
 
 
-def sync_generator(learner, generator) -> None:
-    """Every rank's embedded generator takes the learner's full weights (a collective).
-
-    The tensors never leave the process, so the manifest's names and shapes are checked but the
-    bytes are not hashed (on GPU that would copy the whole model to the host every step).
-    """
-    from titan_learner.weights.sinks import GeneratorSink, push_weights
-
-    push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False, checksum=False)
-
-
 def close_quietly(telemetry) -> None:
     """Close the telemetry while another error propagates: its own failure (a full disk while
     plotting, say) is reported as a warning, not raised over the error that matters."""
@@ -192,20 +180,6 @@ def peak_memory_gib(device: torch.device) -> float:
 class StepResult:
     metrics: dict[str, float]
     samples: list[dict]  # a few of this rank's (prompt, completion, rewards) rows
-
-
-@dataclass
-class Sampled:
-    """One step's rollout on this rank, and the prompts it answers.
-
-    `scored`: its `score_rollout` result when the sampling already scored it (dynamic
-    sampling); `metrics`: what the sampling reports for the step."""
-
-    rollout: Rollout
-    mine: list[Prompt]
-    seconds: float
-    scored: tuple[list[str], list[Prompt], Scores] | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def sample(config: Config, learner, generator, prompts: list[Prompt], rng) -> Sampled:
@@ -483,7 +457,8 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     from titan_learner.job.reference import ReferenceModel
     from titan_learner.job.resume import check_resume, touches_hyperparameters
     from titan_learner.job.resume_model import check_resume_model
-    from titan_learner.job.rollouts import make_rollouts, sync_points
+    from titan_learner.job.rollout_source import make_rollouts
+    from titan_learner.job.rollouts import sync_points
     from titan_learner.job.run_directory import mark_finished
     from titan_learner.learner.titan import TitanLearner
 

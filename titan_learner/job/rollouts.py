@@ -12,7 +12,7 @@ the coming steps from weights at most k versions old while the learner trains
 
 A SIGTERM between sync points (k > 0) saves the rollouts already sampled for the coming steps
 with the checkpoint (`queued_state()`, each rank its own), and `--resume` trains on them
-(`make_rollouts(..., queued=...)`): the resumed run repeats the uninterrupted one exactly.
+(`job.rollout_source.make_rollouts(..., queued=...)`): the resumed run repeats the uninterrupted one exactly.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from titan_learner.weights.sinks import StagingSink, push_weights
 if TYPE_CHECKING:
     from titan_learner.config.schema import Config
     from titan_learner.data.loader import PromptLoader
-    from titan_learner.job.grpo import Sampled
+    from titan_learner.job.sampled import Sampled
 
 ROLLOUT_TENSORS = ("completion_tokens", "completion_log_probs", "completion_lengths", "finished")
 QUEUED_STEP = re.compile(r"step(\d+)_versions")
@@ -86,7 +86,7 @@ class Rollouts:
         return Taken(step, sampled, self.loader.epoch, step - 1, sampled.seconds)
 
     def push(self, step: int) -> None:
-        from titan_learner.job.grpo import sync_generator
+        from titan_learner.job.sampled import sync_generator
 
         sync_generator(self.learner, self.generator)
 
@@ -172,7 +172,7 @@ class OffPolicyRollouts(Rollouts):
         here (then `drained` loads them straight into the parked generator)."""
         if self.is_sync_point(step):
             return
-        from titan_learner.job.grpo import BUCKET_BYTES
+        from titan_learner.job.sampled import BUCKET_BYTES
 
         sink = HandoffSink(lambda named, _: self.pipeline.publish(step, named))
         push_weights(self.learner, sink, BUCKET_BYTES, cpu_offload=False, checksum=False)
@@ -184,7 +184,7 @@ class OffPolicyRollouts(Rollouts):
         if not sync:
             yield
             return
-        from titan_learner.job.grpo import sync_generator
+        from titan_learner.job.sampled import sync_generator
 
         self.pipeline.parked()
         if not self.is_sync_point(step):  # a preemption: the thread may be a step ahead
@@ -228,7 +228,7 @@ class OffPolicyRollouts(Rollouts):
     def _restore(self, queued: dict[str, torch.Tensor]) -> list[Produced]:
         """The saved rollouts, with the prompts they answer drawn again from the data; none
         (they are sampled again, on-policy) when the data-parallel layout changed."""
-        from titan_learner.job.grpo import Sampled
+        from titan_learner.job.sampled import Sampled
 
         if not queued:
             return []
@@ -263,34 +263,3 @@ class OffPolicyRollouts(Rollouts):
             seconds = float(queued[f"{tag}_seconds"])
             restored.append(Produced(step, version, Sampled(rollout, mine, seconds)))
         return restored
-
-
-def make_rollouts(
-    config: Config,
-    learner,
-    generator,
-    loader: PromptLoader,
-    sample: Sample,
-    queued: dict[str, torch.Tensor] | None = None,
-    score: Callable | None = None,
-):
-    """`queued`: a preempted run's saved rollouts (`queued_state()`), trained on first.
-    `score(sampled)`: its rewards, for `[rollout] dynamic_sampling` (job.dynamic_sampling)."""
-    k = config.rollout.max_off_policy_steps
-    if config.rollout.dynamic_sampling:  # k = 0: validate refuses it sampled ahead
-        from titan_learner.job.dynamic_sampling import DynamicSamplingRollouts
-
-        return DynamicSamplingRollouts(config, learner, generator, loader, sample, score)
-    if k == 0:
-        return Rollouts(learner, generator, loader, sample)
-    return OffPolicyRollouts(
-        learner,
-        generator,
-        loader,
-        sample,
-        off_policy_steps=k,
-        is_sync_point=sync_points(config),
-        last_step=config.run.steps,
-        group_size=config.rollout.group_size,
-        queued=queued,
-    )

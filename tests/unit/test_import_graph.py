@@ -1,0 +1,106 @@
+"""The house's floors, checked on the import graph of the package's source (every import
+statement, also inside functions; annotations under TYPE_CHECKING do not run and are left
+out): no module imports another that imports it back, however far round, and config/ is
+the bottom floor: it imports nothing of ours outside config/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "titan_learner"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(tree: ast.Module) -> list[ast.stmt]:
+    typing_only = {
+        id(node)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and ast.unparse(branch.test).endswith("TYPE_CHECKING")
+        for statement in branch.body
+        for node in ast.walk(statement)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in typing_only
+    ]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (`from a import b` counts a.b when b is a
+    module, else a)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif node.level == 0 and node.module:
+                targets = [
+                    f"{node.module}.{alias.name}"
+                    if f"{node.module}.{alias.name}" in modules
+                    else node.module
+                    for alias in node.names
+                ]
+            else:
+                targets = []
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_round_a_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_config_is_the_bottom_floor():
+    upward = {
+        (name, target)
+        for name, targets in import_graph().items()
+        if name.startswith("titan_learner.config")
+        for target in targets
+        if not target.startswith("titan_learner.config")
+    }
+    assert upward == set()
+
+
+def test_the_graph_sees_imports_inside_functions():
+    """A check on a graph that missed lazy imports could not fail: the job's lazy imports of
+    the vLLM family must be in it."""
+    assert "titan_learner.rollout.vllm" in import_graph()["titan_learner.job.grpo"]
