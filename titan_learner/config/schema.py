@@ -196,7 +196,11 @@ class RolloutSection:
     prompts_per_step: int = field(default=64, metadata=POSITIVE)
     """Prompts per optimizer step over all data-parallel ranks (divisible by their number)."""
     max_new_tokens: int = field(default=8, metadata=POSITIVE)
+    """The longest completion in tokens; one that reaches it without an EOS is truncated
+    (training/truncated_fraction)."""
     temperature: float = field(default=1.0, metadata={"min": 0.0})
+    """Sampling temperature of the training rollouts (behaviour log-probs are the
+    temperature-1 log-probs whatever it is)."""
     max_off_policy_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """0: each step samples, trains, then pushes the weights (on-policy). k > 0: a background
     thread samples the coming steps while the learner trains, from weights at most k policy
