@@ -178,6 +178,9 @@ class KLSection:
     unset (one KL, not two)."""
 
     placement: Literal["loss", "reward"] = "loss"
+    """loss: TorchRL's KL term in the loss, its coefficient [loss] kl_to_ref_coeff; reward:
+    each completion's reward less [kl] coeff x its summed token KLs, before the group advantage
+    (verl's use_kl_in_reward)."""
     coeff: float = field(default=0.0, metadata={"min": 0.0})
     """placement = "reward" only: the KL coefficient (verl's `kl_ctrl.kl_coef`); > 0."""
     estimator: Literal["k1", "k2", "k3"] | None = None
