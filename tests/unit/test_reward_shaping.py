@@ -73,7 +73,7 @@ REFUSED = {
     ),
     "an unknown estimator": (
         {"kl": {"placement": "reward", "coeff": 0.1, "estimator": "k4"}},
-        "tests: [kl] estimator: expected one of 'k1', 'k2', 'k3', got 'k4'",
+        "tests: [kl] estimator: 'k4' is not allowed; allowed: 'k1', 'k2', 'k3'",
     ),
     "mask_truncated not a boolean": (
         {"loss": {"mask_truncated": 1}},
