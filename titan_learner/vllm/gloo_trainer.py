@@ -139,27 +139,19 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update(str(version))
 
     def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> str:
-        """Broadcast each tensor from rank 0, hashing what is sent; the xxh3 of it all."""
+        """Broadcast each tensor from rank 0, hashing what is sent; the xxh3 of it all. The
+        source must yield what its metadata() declared, checked as vLLM's NCCL trainer
+        engine checks it (its own `_checked_iter`)."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
         digest = Checksum()
-        sent = 0
-        for name, tensor in source:
-            expected = meta[sent] if sent < len(meta) else None
-            if expected is None or (name, tensor.dtype, tuple(tensor.shape)) != (
-                expected.name,
-                expected.dtype,
-                expected.shape,
-            ):
-                raise WeightsError(
-                    f"the weight source yielded {name!r} {tensor.dtype} {tuple(tensor.shape)} at "
-                    f"position {sent}, where its metadata() declared "
-                    f"{expected if expected is not None else 'nothing more'}"
-                )
-            host = tensor.detach().to("cpu").contiguous()
-            self.group.broadcast(host, 0).wait()
-            digest.update(name, host)
-            sent += 1
-        if sent != len(meta):
-            raise WeightsError(f"the weight source yielded {sent} tensors of {len(meta)} declared")
+        try:
+            for name, tensor in NCCLTrainerWeightTransferEngine._checked_iter(source, meta):
+                host = tensor.detach().to("cpu").contiguous()
+                self.group.broadcast(host, 0).wait()
+                digest.update(name, host)
+        except ValueError as err:
+            raise WeightsError(str(err)) from None
         return digest.hexdigest()
 
     def shutdown(self) -> None:
