@@ -83,3 +83,14 @@ def update_with_gradients(trained: LocalLearner, batch) -> tuple[dict, dict[str,
     trained.optimizer.step = read
     metrics = trained.update(batch)
     return {k: float(v) for k, v in metrics.items()}, grads
+
+
+def token_rows(batch) -> torch.Tensor:
+    """The row of each response token, in the order `response_log_probs` gives them."""
+    return batch.get(ASSISTANT_MASK_KEY).nonzero()[:, 0]
+
+
+def row_means(values: torch.Tensor, rows: torch.Tensor, count: int) -> torch.Tensor:
+    """Each row's mean of `values` (one per response token, rows as `token_rows`)."""
+    sums = torch.zeros(count, dtype=values.dtype).index_add(0, rows, values)
+    return sums / torch.bincount(rows, minlength=count).to(values.dtype)

@@ -156,7 +156,7 @@ BAD_CONFIGS = {
     "unknown_loss": (
         '[loss]\nname = "ppo"\n',
         [],
-        exact("[loss] name: 'ppo' is not allowed; allowed: 'grpo', 'dapo', 'cispo'"),
+        exact("[loss] name: 'ppo' is not allowed; allowed: 'grpo', 'dapo', 'cispo', 'gspo'"),
     ),
     "loss_key_typo": (
         "[loss]\nclip_eps = 0.2\n",

@@ -58,7 +58,9 @@ LOSS_KEYS: dict[str, LossKey] = {
     "masking_strategy": LossKey(Literal[MASKING_STRATEGIES]),
     "ref_log_prob_padding_side": LossKey(Literal[PADDING_SIDES]),
     "ref_log_prob_padding_value": LossKey(float),
-    "tis_cap": LossKey(float, {"min": 1}),  # this project's (titan_learner.learner.losses)
+    # this project's own (titan_learner.learner.losses, .gspo)
+    "tis_cap": LossKey(float, {"min": 1}),
+    "gspo_token": LossKey(bool),
 }
 UNREAD_KEYS = ("gamma", "clip_value")
 """Keyword arguments TorchRL's GRPO-family losses take and never read (no value function)."""

@@ -124,7 +124,7 @@ class LearnerSection:
 
 @dataclass
 class LossSection:
-    name: Literal["grpo", "dapo", "cispo"] = "grpo"
+    name: Literal["grpo", "dapo", "cispo", "gspo"] = "grpo"
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML."""
 

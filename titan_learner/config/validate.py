@@ -25,10 +25,13 @@ from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.loss_values import LOSS_KEYS, UNREAD_KEYS, check_loss_value
 from titan_learner.config.schema import Config, LossSection
 
-# The TorchRL loss class behind each [loss] name, imported only when one is built or checked.
-LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss"}
+# The TorchRL loss class behind each [loss] name, imported only when one is built or checked
+# (gspo: titan_learner.learner.gspo, over GRPOLoss).
+LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss", "gspo": "GRPOLoss"}
 PROJECT_LOSS_KEYS = ("tis_cap",)
 """[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.losses)."""
+NAMED_LOSS_KEYS = {"gspo": ("gspo_token",)}
+"""[loss] keys of this project's own that one loss name takes."""
 T = TypeVar("T")
 
 
@@ -145,7 +148,8 @@ def check_loss_kwargs(section: LossSection, source: str) -> None:
     unknown here until the table describes its values."""
     if section.kwargs:
         takes = inspect.signature(loss_class(section.name).__init__).parameters
-        allowed = [key for key in LOSS_KEYS if key in takes or key in PROJECT_LOSS_KEYS]
+        own = (*PROJECT_LOSS_KEYS, *NAMED_LOSS_KEYS.get(section.name, ()))
+        allowed = [key for key in LOSS_KEYS if key in takes or key in own]
         unread = [key for key in UNREAD_KEYS if key in takes]
         for key, value in section.kwargs.items():
             if key not in allowed and key not in unread:

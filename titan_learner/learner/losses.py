@@ -3,8 +3,9 @@
 Which class a name means, and the check of its keyword arguments, are config validation
 (`titan_learner.config.validate`); this module instantiates it, with one change of
 normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
-Where TorchRL's class departs from the published algorithm, its subclass that follows the paper
-is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`).
+Where TorchRL's class departs from the published algorithm, or has none, the subclass that
+follows the paper is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`;
+gspo, `titan_learner.learner.gspo`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from titan_learner.config.errors import ConfigError
 from titan_learner.config.validate import loss_class
 from titan_learner.learner.batch import trained_mask
 from titan_learner.learner.cispo import MiniMaxCISPOLoss
+from titan_learner.learner.gspo import GSPOLoss
 from titan_learner.learner.logprobs import ChunkedTokenCategorical
 from titan_learner.learner.policy import TitanPolicy
 
@@ -32,8 +34,9 @@ if TYPE_CHECKING:
 # Defaults that differ from TorchRL's: "rlhf" masks with an explicit response mask, which is what
 # the batch format carries (TorchRL's "sft" rule assumes a fixed prompt width).
 LOSS_DEFAULTS: dict[str, Any] = {"masking_strategy": "rlhf"}
-# Where TorchRL's class is not the published algorithm, the subclass that is (by [loss] name).
-PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss}
+# Where TorchRL's class is not the published algorithm (or TorchRL has none), the subclass that
+# is (by [loss] name).
+PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss, "gspo": GSPOLoss}
 
 
 def record(loss_module: Any, **values: Any) -> None:
@@ -281,11 +284,15 @@ class LeanForward:
     ) -> None:
         """What a GRPO researcher reads first, without gradient, with or without an entropy
         bonus: `entropy`, and which side the ratio was clipped on, `clip_fraction_low` (below
-        1 - eps_low) and `clip_fraction_high` (above 1 + eps_high); padded-position means like
+        1 - eps_low) and `clip_fraction_high` (above 1 + eps_high) of the ratio the objective
+        clips (a loss's `ratio_log_weight`, else the token's); padded-position means like
         TorchRL's `clip_fraction`, made token means by `token_mean_diagnostics`."""
         with torch.no_grad():
             if "entropy" not in out:
                 out["entropy"] = self._get_entropy(dist, adv_shape=adv_shape).mean()  # type: ignore[attr-defined]
+            clipped = getattr(self, "ratio_log_weight", None)  # a loss of another ratio (gspo)
+            if clipped is not None:
+                log_weight = clipped(log_weight)
             low, high = self._clip_bounds  # type: ignore[attr-defined]
             out["clip_fraction_low"] = (log_weight < low).to(log_weight.dtype).mean()
             out["clip_fraction_high"] = (log_weight > high).to(log_weight.dtype).mean()
