@@ -176,7 +176,8 @@ BAD_CONFIGS = {
         [],
         exact(
             "[loss] aggregation: 'prompt-mean' is not allowed; allowed: 'token_mean', "
-            "'prompt_mean' (did you mean 'prompt_mean'?)"
+            "'prompt_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm' (did you mean "
+            "'prompt_mean'?)"
         ),
     ),
     "loss_clip_epsilon_triple": (

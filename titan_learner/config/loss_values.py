@@ -32,8 +32,11 @@ class LossKey:
     refused: Mapping[str, str] = field(default_factory=dict)
 
 
-AGGREGATIONS = ("token_mean", "prompt_mean")
-"""`aggregation`: a mean over the step's trained tokens, or over its rows of their tokens' mean."""
+AGGREGATIONS = ("token_mean", "prompt_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+"""`aggregation`, over the step's trained tokens: their mean (verl's "token-mean"); over its
+rows, the mean of each row's token mean (verl's "seq-mean-token-mean"), of each row's token sum
+("seq-mean-token-sum"), or the sum over tokens divided by rows x [rollout] max_new_tokens (Dr.
+GRPO's constant normalizer, verl's "seq-mean-token-sum-norm")."""
 MASKING_STRATEGIES = ("sft", "rlhf", "generic")
 PADDING_SIDES = ("left", "right")
 COEFFICIENT = LossKey(float, {"min": 0})

@@ -110,7 +110,9 @@ class Learner:
             share_prompts=config.learner.share_prompts,
         )
         self.loss_module = (
-            loss_module if loss_module is not None else build_loss(config.loss, self.policy)
+            loss_module
+            if loss_module is not None
+            else build_loss(config.loss, self.policy, max_new_tokens=config.rollout.max_new_tokens)
         )
         reject_unsynchronized_loss_parameters(
             self.loss_module, model, capabilities.data_parallel_size

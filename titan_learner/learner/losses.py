@@ -5,7 +5,8 @@ Which class a name means, and the check of its keyword arguments, are config val
 normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
 Where TorchRL's class departs from the published algorithm, or has none, the subclass that
 follows the paper is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`;
-gspo, `titan_learner.learner.gspo`).
+gspo, `titan_learner.learner.gspo`). Every loss takes the row-sum aggregations
+(`titan_learner.learner.aggregation`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tensordict import TensorDict
 
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.validate import loss_class
+from titan_learner.learner.aggregation import RowSumAggregation
 from titan_learner.learner.batch import trained_mask
 from titan_learner.learner.cispo import MiniMaxCISPOLoss
 from titan_learner.learner.gspo import GSPOLoss
@@ -438,7 +440,7 @@ def token_mean_diagnostics(out: MutableMapping[str, Any], loss_module: nn.Module
 def titan_loss_class(cls: type) -> type:
     """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch`,
     `TokenMeanDiagnostics`, `TruncatedImportanceSampling`, `TokenMeanAggregation`,
-    `TrainedTokens` (the others read its count) and, innermost, `MaskedLogWeight`,
+    `RowSumAggregation`, `TrainedTokens` (the others read its mask and count) and, innermost, `MaskedLogWeight`,
     `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own helpers; the same class
     on every call."""
     bases = (
@@ -448,6 +450,7 @@ def titan_loss_class(cls: type) -> type:
         TokenMeanDiagnostics,
         TruncatedImportanceSampling,
         TokenMeanAggregation,
+        RowSumAggregation,
         TrainedTokens,
         MaskedLogWeight,
         ChunkedEntropy,
@@ -463,8 +466,11 @@ def titan_loss_class(cls: type) -> type:
     return mixed
 
 
-def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
-    """Instantiate the TorchRL loss over `actor` with the configured keyword arguments."""
+def build_loss(
+    section: LossSection, actor: nn.Module, *, max_new_tokens: int | None = None
+) -> nn.Module:
+    """Instantiate the TorchRL loss over `actor` with the configured keyword arguments;
+    `max_new_tokens` ([rollout]) is `seq_mean_token_sum_norm`'s constant."""
     kwargs = {**LOSS_DEFAULTS, **section.kwargs}
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
@@ -475,4 +481,5 @@ def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
     except (TypeError, ValueError) as err:
         raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err
     loss.tis_cap = None if tis_cap is None else float(tis_cap)
+    loss.max_new_tokens = max_new_tokens
     return loss
