@@ -31,6 +31,9 @@ LOSSES = {
     "seq_mean_token_sum": {"aggregation": "seq_mean_token_sum"},
     "seq_mean_token_sum_norm": {"aggregation": "seq_mean_token_sum_norm"},
     "gspo": {"name": "gspo"},
+    "sequence mask correction": {
+        "correction": {"level": "sequence", "mode": "mask", "low": 0.5, "high": 1.5}
+    },
     "token_mean with KL": {"kl_to_ref_coeff": 0.1},
     "dapo": {"clip_epsilon": [0.2, 0.28]},
 }

@@ -40,6 +40,25 @@ GRPO's constant normalizer, verl's "seq-mean-token-sum-norm")."""
 MASKING_STRATEGIES = ("sft", "rlhf", "generic")
 PADDING_SIDES = ("left", "right")
 COEFFICIENT = LossKey(float, {"min": 0})
+
+
+@dataclass
+class CorrectionTable:
+    """`[loss.correction]`: each trained token weighted by the importance ratio r = pi / mu
+    against the behaviour policy mu that sampled it (the batch's log-probs), without gradient.
+
+    level "token": r per token; "sequence": per row, the geometric mean of its tokens' ratios.
+    mode "truncate": min(r, high) (TIS; verl rollout_corr's truncate); "mask": r where
+    low <= r <= high, 0 elsewhere (IcePop; verl's mask). `low` is mask's alone (default
+    1 / high).
+    """
+
+    level: Literal["token", "sequence"] = "token"
+    mode: Literal["truncate", "mask"] = "truncate"
+    low: float | None = field(default=None, metadata={"min": 0.0, "max": 1.0})
+    high: float = field(default=2.0, metadata={"min": 1.0})
+
+
 NOT_A_SCALAR = "TorchRL's 'none' leaves a loss per token, not the scalar the learner trains"
 
 LOSS_KEYS: dict[str, LossKey] = {
@@ -61,9 +80,10 @@ LOSS_KEYS: dict[str, LossKey] = {
     "masking_strategy": LossKey(Literal[MASKING_STRATEGIES]),
     "ref_log_prob_padding_side": LossKey(Literal[PADDING_SIDES]),
     "ref_log_prob_padding_value": LossKey(float),
-    # this project's own (titan_learner.learner.losses, .gspo)
+    # this project's own (titan_learner.learner.losses, .gspo, .correction)
     "tis_cap": LossKey(float, {"min": 1}),
     "gspo_token": LossKey(bool),
+    "correction": LossKey(CorrectionTable),
 }
 UNREAD_KEYS = ("gamma", "clip_value")
 """Keyword arguments TorchRL's GRPO-family losses take and never read (no value function)."""
@@ -91,6 +111,31 @@ def check_loss_value(key: str, value: Any, source: str) -> None:
         raise ConfigError(f"{err.detail}; {why}", source=source, where=where) from None
     if key == "clip_epsilon":
         check_clip_epsilon(converted, value, source)
+    if key == "correction" and converted.mode == "truncate" and converted.low is not None:
+        raise ConfigError(
+            f"low = {converted.low} bounds the ratios mode = 'mask' keeps; 'truncate' caps "
+            "the ratio from above only (min(r, high)); allowed: leave low out, or mode = 'mask'",
+            source=source,
+            where="[loss.correction] low",
+        )
+
+
+def correction_table(kwargs: Mapping[str, Any], source: str) -> CorrectionTable | None:
+    """The [loss] correction a config asks for: `[loss.correction]`, or its alias `tis_cap = C`
+    (level "token", mode "truncate", high C); None without either."""
+    table, cap = kwargs.get("correction"), kwargs.get("tis_cap")
+    if table is not None and cap is not None:
+        raise ConfigError(
+            "tis_cap = C is [loss.correction] level = 'token', mode = 'truncate', high = C; "
+            "allowed: one of them",
+            source=source,
+            where="[loss] tis_cap",
+        )
+    if cap is not None:
+        return CorrectionTable(high=float(cap))
+    if table is None:
+        return None
+    return check_value(table, CorrectionTable, {}, ("loss", "correction"), source)
 
 
 def check_clip_epsilon(bounds: float | tuple[float, float], value: Any, source: str) -> None:

@@ -126,7 +126,8 @@ class LearnerSection:
 class LossSection:
     name: Literal["grpo", "dapo", "cispo", "gspo"] = "grpo"
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML."""
+    """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML
+    (`[loss.correction]` a sub-table: titan_learner.config.loss_values.CorrectionTable)."""
 
 
 @dataclass

@@ -22,13 +22,18 @@ from pathlib import Path
 from typing import TypeVar
 
 from titan_learner.config.errors import ConfigError, did_you_mean
-from titan_learner.config.loss_values import LOSS_KEYS, UNREAD_KEYS, check_loss_value
+from titan_learner.config.loss_values import (
+    LOSS_KEYS,
+    UNREAD_KEYS,
+    check_loss_value,
+    correction_table,
+)
 from titan_learner.config.schema import Config, LossSection
 
 # The TorchRL loss class behind each [loss] name, imported only when one is built or checked
 # (gspo: titan_learner.learner.gspo, over GRPOLoss).
 LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss", "gspo": "GRPOLoss"}
-PROJECT_LOSS_KEYS = ("tis_cap",)
+PROJECT_LOSS_KEYS = ("tis_cap", "correction")
 """[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.losses)."""
 NAMED_LOSS_KEYS = {"gspo": ("gspo_token",)}
 """[loss] keys of this project's own that one loss name takes."""
@@ -160,6 +165,7 @@ def check_loss_kwargs(section: LossSection, source: str) -> None:
                     where="[loss]",
                 )
             check_loss_value(key, value, source)
+        correction_table(section.kwargs, source)  # tis_cap and [loss.correction] together
     eps = section.kwargs.get("clip_epsilon")
     if section.name == "dapo" and not isinstance(eps, list | tuple) and eps is not None:
         raise ConfigError(
