@@ -30,7 +30,7 @@ DEBUG_FSDP_TP = CONFIGS / "debug_fsdp_tp.toml"
 
 SECTIONS = (
     "model, parallelism, activation_checkpoint, compile, optimizer, lr_scheduler, learner, "
-    "loss, rollout, tokenizer, data, reward, eval, checkpoint, run"
+    "loss, advantage, rollout, tokenizer, data, reward, eval, checkpoint, run"
 )
 PARALLELISM_KEYS = (
     "dp_replicate, dp_shard, fsdp_reshard_after_forward, param_dtype, reduce_dtype, "

@@ -131,6 +131,18 @@ class LossSection:
 
 
 @dataclass
+class AdvantageSection:
+    """How each row's advantage is made from the rewards of its group of G completions: the
+    reward less the group's mean, divided by a std + eps (TRL's `scale_rewards`)."""
+
+    scale: Literal["group", "batch", "none"] = "group"
+    """group: the group's std (GRPO); batch: the std of the step's rewards over every
+    data-parallel rank; none: no division (Dr. GRPO; verl norm_adv_by_std_in_grpo = false)."""
+    eps: float = field(default=1e-4, metadata={"min": 0.0, "not": (0.0,), "allowed": "> 0"})
+    """Added to the std: a group (or batch) of equal rewards gets advantage 0."""
+
+
+@dataclass
 class RolloutSection:
     generator: Literal["hf", "vllm"] = "hf"
     """hf: an in-process transformers model per rank (the embedded default); vllm: engines."""
@@ -269,6 +281,7 @@ class Config:
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
     learner: LearnerSection = field(default_factory=LearnerSection)
     loss: LossSection = field(default_factory=LossSection)
+    advantage: AdvantageSection = field(default_factory=AdvantageSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)

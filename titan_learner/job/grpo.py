@@ -223,7 +223,7 @@ def train_on(
     measured on the step's batch before the update (job.behaviour: the mismatch of a stale
     batch under the weights that sampled it); timed as part of `update_s`.
     """
-    from titan_learner.job.advantage import group_advantages
+    from titan_learner.job.advantage import group_advantages, step_advantages
     from titan_learner.job.step_metrics import rollout_metrics
     from titan_learner.learner.batch import ATTENTION_MASK_KEY, REF_LOG_PROBS_KEY
     from titan_learner.learner.normalization import step_counts
@@ -235,7 +235,8 @@ def train_on(
     start = time.perf_counter()
     texts, owners, scores = score_rollout(rollout, mine, group, inputs.tokenizer, inputs.rewards)
     rewards = scores.total
-    batch = rollout.to_batch(group_advantages(rewards, group), rewards)
+    advantages, all_rewards = step_advantages(rewards, group, config.advantage, dp_group, device)
+    batch = rollout.to_batch(advantages, rewards)
     batch = same_within_group(batch, learner.tensor_parallel_group)
     reward_s = time.perf_counter() - start
 
@@ -260,7 +261,6 @@ def train_on(
     push()
     sync_s = time.perf_counter() - start
 
-    all_rewards = gather_over(rewards, dp_group, device)
     per_reward = {
         name: gather_over(values, dp_group, device) for name, values in scores.per_reward.items()
     }
@@ -278,7 +278,11 @@ def train_on(
         **{f"reward/{name}_mean": float(values.mean()) for name, values in per_reward.items()},
         reward_errors=float(errors.sum()),
         **rollout_metrics(
-            all_rewards, group_advantages(all_rewards, group), lengths, finished > 0, group
+            all_rewards,
+            group_advantages(all_rewards, group, config.advantage.eps, config.advantage.scale),
+            lengths,
+            finished > 0,
+            group,
         ),
         tokens_per_s=float(tokens.sum()) / total_s,
         rollout_s=rollout_s,
