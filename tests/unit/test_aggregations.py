@@ -22,7 +22,7 @@ from tests.support.by_hand import (
 )
 from tests.support.models import tiny_config
 from titan_learner.config.errors import ConfigError
-from titan_learner.config.loss_values import AGGREGATIONS
+from titan_learner.config.loss_values import AGGREGATIONS, VERL_AGGREGATIONS
 from titan_learner.learner.batch import ADVANTAGE_KEY, ASSISTANT_MASK_KEY, LOG_PROBS_KEY
 from titan_learner.learner.local import LocalLearner
 
@@ -90,11 +90,13 @@ def test_each_aggregation_of_each_loss_is_its_formula_by_hand(loss, aggregation)
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_a_peer_spelling_is_refused_with_the_allowed_names():
+@pytest.mark.parametrize("verl", list(VERL_AGGREGATIONS))
+def test_verl_names_are_refused_with_ours(verl):
+    """A did-you-mean would suggest seq_mean_token_sum for verl's "seq-mean-token-mean"."""
     with pytest.raises(ConfigError) as err:
-        tiny_config(loss={"aggregation": "seq-mean-token-sum-norm"})
+        tiny_config(loss={"aggregation": verl})
     assert str(err.value) == (
-        "tests: [loss] aggregation: 'seq-mean-token-sum-norm' is not allowed; allowed: "
-        "'token_mean', 'prompt_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm' "
-        "(did you mean 'seq_mean_token_sum_norm'?)"
+        f"tests: [loss] aggregation: {verl!r} is verl's name; here it is "
+        f"{VERL_AGGREGATIONS[verl]!r}; allowed: 'token_mean', 'prompt_mean', "
+        "'seq_mean_token_sum', 'seq_mean_token_sum_norm'"
     )

@@ -14,6 +14,7 @@ aggregations listed; tests hold the table to TorchRL's signature and behaviour.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,12 +25,14 @@ from titan_learner.config.tables import check_value
 
 @dataclass(frozen=True)
 class LossKey:
-    """What one [loss] key accepts: a type hint and limits as a schema field's, and the
-    values TorchRL takes that the learner refuses, each with the reason."""
+    """What one [loss] key accepts: a type hint and limits as a schema field's, the values
+    TorchRL takes that the learner refuses, each with the reason, and another library's
+    spelling of an allowed value, refused with ours (a did-you-mean could suggest another)."""
 
     kind: Any
     limits: Mapping[str, Any] = field(default_factory=dict)
     refused: Mapping[str, str] = field(default_factory=dict)
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
 
 AGGREGATIONS = ("token_mean", "prompt_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
@@ -37,6 +40,13 @@ AGGREGATIONS = ("token_mean", "prompt_mean", "seq_mean_token_sum", "seq_mean_tok
 rows, the mean of each row's token mean (verl's "seq-mean-token-mean"), of each row's token sum
 ("seq-mean-token-sum"), or the sum over tokens divided by rows x [rollout] max_new_tokens (Dr.
 GRPO's constant normalizer, verl's "seq-mean-token-sum-norm")."""
+VERL_AGGREGATIONS = {
+    "token-mean": "token_mean",
+    "seq-mean-token-mean": "prompt_mean",
+    "seq-mean-token-sum": "seq_mean_token_sum",
+    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+}
+"""verl's `loss_agg_mode` names of the aggregations."""
 MASKING_STRATEGIES = ("sft", "rlhf", "generic")
 PADDING_SIDES = ("left", "right")
 COEFFICIENT = LossKey(float, {"min": 0})
@@ -64,7 +74,9 @@ NOT_A_SCALAR = "TorchRL's 'none' leaves a loss per token, not the scalar the lea
 LOSS_KEYS: dict[str, LossKey] = {
     "clip_epsilon": LossKey(float | tuple[float, float]),  # its ranges: check_clip_epsilon
     "kl_mask_threshold": LossKey(float, {"min": 0}),
-    "aggregation": LossKey(Literal[AGGREGATIONS], refused={"none": NOT_A_SCALAR}),
+    "aggregation": LossKey(
+        Literal[AGGREGATIONS], refused={"none": NOT_A_SCALAR}, renamed=VERL_AGGREGATIONS
+    ),
     "entropy_bonus": LossKey(bool),
     "samples_mc_entropy": LossKey(int, {"min": 1}),
     "entropy_coeff": COEFFICIENT,
@@ -102,6 +114,14 @@ def check_loss_value(key: str, value: Any, source: str) -> None:
             where=where,
         )
     rule = LOSS_KEYS[key]
+    ours = rule.renamed.get(value) if isinstance(value, str) else None
+    if ours is not None:
+        allowed = ", ".join(repr(v) for v in typing.get_args(rule.kind))
+        raise ConfigError(
+            f"{value!r} is verl's name; here it is {ours!r}; allowed: {allowed}",
+            source=source,
+            where=where,
+        )
     try:
         converted = check_value(value, rule.kind, rule.limits, ("loss", key), source)
     except ConfigError as err:
