@@ -418,9 +418,9 @@ def token_mean_diagnostics(out: MutableMapping[str, Any], loss_module: nn.Module
 def titan_loss_class(cls: type) -> type:
     """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch`,
     `TokenMeanDiagnostics`, `BehaviourCorrection`, `TokenMeanAggregation`,
-    `RowSumAggregation`, `TrainedTokens` (the others read its mask and count) and, innermost, `MaskedLogWeight`,
-    `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own helpers; the same class
-    on every call."""
+    `RowSumAggregation`, `TrainedTokens` (the others read its mask and count) and, innermost,
+    `MaskedLogWeight`, `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own
+    helpers; the same class on every call."""
     bases = (
         LeanForward,
         TokenMeanKL,
