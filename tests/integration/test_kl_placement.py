@@ -22,6 +22,7 @@ from tests.unit.test_cispo import (
     transformers_twin,
     update_with_gradients,
 )
+from titan_learner.job.advantage import group_advantages
 from titan_learner.job.grpo import with_reference_log_probs
 from titan_learner.job.kl_reward import K3_CLAMP, penalized
 from titan_learner.job.reference import ReferenceModel
@@ -118,7 +119,7 @@ def test_kl_in_the_reward_is_the_summed_estimator_before_the_group_advantage(est
     batch = check_batch(batch, 32, needs_ref_log_probs=False)
 
     scored = with_reference_log_probs(batch, reference, 2)
-    out, penalty = penalized(scored, COEFF, estimator, GROUP)
+    out, penalty = penalized(scored, COEFF, estimator, lambda r: group_advantages(r, GROUP))
 
     per_token = k_by_hand(estimator, log_mu, log_ref)
     rows = mask.sum(1).tolist()

@@ -91,6 +91,14 @@ LOSSES = {
     },
     "dapo": {"name": "dapo", "kwargs": {"clip_epsilon": (0.2, 0.28)}},
     "cispo no entropy": {"name": "cispo", "kwargs": {"entropy_bonus": False}},
+    "gspo-token row sums": {
+        "name": "gspo",
+        "kwargs": {"gspo_token": True, "aggregation": "seq_mean_token_sum"},
+    },
+    "sequence mask correction": {
+        "name": "grpo",
+        "kwargs": {"correction": {"level": "sequence", "mode": "mask", "low": 0.5}},
+    },
 }
 
 

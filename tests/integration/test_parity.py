@@ -14,6 +14,7 @@ import torch
 from tests.support.models import batches, tiny_config, with_ref_log_probs
 from tests.support.scenarios import STEPS, loss_parameter_rejected, run_layouts
 from tests.support.worlds import run_world
+from titan_learner.learner.correction import CORRECTION_METRICS
 from titan_learner.learner.local import LocalLearner
 
 TOL = 1e-5
@@ -112,6 +113,45 @@ WORLD2 = {
         "accumulate": True,
         "varied": True,
     },
+    # The row-sum aggregations (rows counted over ranks and micro-batches), GSPO's sequence
+    # ratio (rows of other lengths on each rank) and an IcePop-like token mask (its fractions
+    # and ratio mean token-weighted over ranks, its ratio max the max)
+    "varied seq_mean_token_sum dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"aggregation": "seq_mean_token_sum"},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
+    "varied seq_mean_token_sum_norm dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"aggregation": "seq_mean_token_sum_norm"},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
+    "varied gspo dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"name": "gspo", "clip_epsilon": [0.2, 0.28]},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
+    "varied correction dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"correction": {"mode": "mask", "low": 0.5, "high": 2.0}},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
     "varied kl dp_shard=2 accumulate 2": {
         "sections": {
             "parallelism": {"dp_shard": 2},
@@ -190,6 +230,10 @@ def reference_for(layout: str, reference, qwen3_reference):
 
 VARIED_LOSSES = {
     "prompt_mean": {"aggregation": "prompt_mean"},
+    "seq_mean_token_sum": {"aggregation": "seq_mean_token_sum"},
+    "seq_mean_token_sum_norm": {"aggregation": "seq_mean_token_sum_norm"},
+    "gspo": {"name": "gspo", "clip_epsilon": [0.2, 0.28]},
+    "correction": {"correction": {"mode": "mask", "low": 0.5, "high": 2.0}},
     "kl": {"kl_to_ref_coeff": 0.1},
     "cispo": {"name": "cispo", "clip_epsilon": [0.2, 0.28]},
 }
@@ -274,6 +318,10 @@ def test_two_process_layouts_match_local(world2, reference, qwen3_reference, lay
     rank0, rank1 = world2
     # With accumulation the stepping call reports the whole window's loss terms.
     compared = COMPARED + (("loss_kl_to_ref",) if " kl " in layout else ())
+    if " correction " in layout:
+        compared += CORRECTION_METRICS
+        masked = [m["correction/masked_fraction"] for m in reference["metrics"]]
+        assert all(0 < share < 1 for share in masked), "the layout must mask some tokens"
     assert_matches(rank0[layout], reference, compared)
     assert rank1[layout]["weights"] == {}, "get_weights() must be empty off rank 0"
     # every rank reports the same data-parallel-averaged metrics

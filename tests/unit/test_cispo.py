@@ -13,23 +13,24 @@ import inspect
 import pytest
 import torch
 from torchrl.objectives.llm import CISPOLoss
-from transformers import AutoModelForCausalLM
 
+from tests.support.by_hand import (
+    clipping_batch,
+    response_log_probs,
+    transformers_twin,
+    update_with_gradients,
+)
 from tests.support.models import batches, loss_outputs_and_grads, tiny_config
 from titan_learner.learner.batch import (
     ADVANTAGE_KEY,
     ASSISTANT_MASK_KEY,
-    ATTENTION_MASK_KEY,
     LOG_PROBS_KEY,
     TOKENS_KEY,
     check_batch,
 )
 from titan_learner.learner.cispo import MiniMaxCISPOLoss
 from titan_learner.learner.local import LocalLearner
-from titan_learner.model.hf_config import hf_config
-from titan_learner.weights.export import iter_hf_tensors
 
-F32 = torch.float32
 # [loss] table -> (the algorithm, its lower and upper clip epsilon; None: no lower bound)
 CASES = {
     "cispo": ({"name": "cispo"}, "cispo", None, 0.2),
@@ -58,45 +59,6 @@ def learner(loss: dict) -> LocalLearner:
     )
 
 
-def transformers_twin(trained: LocalLearner) -> torch.nn.Module:
-    """A transformers model holding the learner's exported weights."""
-    model = AutoModelForCausalLM.from_config(hf_config(trained.spec), dtype=F32).eval()
-    model.load_state_dict(dict(trained.get_weights(dtype=F32).items()), strict=True)
-    return model
-
-
-def response_log_probs(model: torch.nn.Module, batch) -> torch.Tensor:
-    """log pi of every response token, row by row (row-major, as `tensor[mask]` orders them),
-    each row run through transformers without its padding."""
-    rows = []
-    for tokens, attention, response in zip(
-        batch.get(TOKENS_KEY),
-        batch.get(ATTENTION_MASK_KEY),
-        batch.get(ASSISTANT_MASK_KEY),
-        strict=True,
-    ):
-        real = tokens[attention]
-        scores = model(real[None]).logits[0, :-1].log_softmax(-1)  # position j scores j + 1
-        token_log_probs = scores.gather(-1, real[1:, None])[:, 0]
-        rows.append(token_log_probs[response[attention][1:]])
-    return torch.cat(rows)
-
-
-def clipping_batch(model: torch.nn.Module):
-    """A batch of rows of their own lengths whose behaviour log-probs are transformers' log pi
-    shifted by -1 to +1, in an order mixing them over the rows: pi / mu runs from 0.37 to 2.7."""
-    batch = batches(1, varied=True)[0]
-    mask = batch.get(ASSISTANT_MASK_KEY)
-    with torch.no_grad():
-        log_pi = response_log_probs(model, batch)
-    order = torch.randperm(len(log_pi), generator=torch.Generator().manual_seed(0))
-    shift = torch.linspace(-1.0, 1.0, len(log_pi))[order]
-    log_mu = torch.full(mask.shape, torch.nan)
-    log_mu[mask] = log_pi - shift
-    batch.set(LOG_PROBS_KEY, log_mu)
-    return batch
-
-
 def by_hand(algorithm: str, log_pi, log_mu, advantage, low: float | None, high: float):
     """The per-token loss terms and which tokens' weight the bounds changed.
 
@@ -109,32 +71,6 @@ def by_hand(algorithm: str, log_pi, log_mu, advantage, low: float | None, high: 
         return -weight * advantage * log_pi, weight != ratio.detach()
     clipped = ratio.clamp(1 - low, 1 + high)
     return -torch.minimum(ratio * advantage, clipped * advantage), clipped != ratio
-
-
-def update_with_gradients(trained: LocalLearner, batch) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One update's metrics, and its gradients (read at the optimizer step) under Hugging Face
-    names: the export's adapter maps them as it maps the weights (it is linear: a split of the
-    fused QKV and a permutation of the q/k rows)."""
-    grads: dict[str, torch.Tensor] = {}
-    step = trained.optimizer.step
-
-    def read(*args, **kwargs):
-        params = [p for p in trained.model.parameters() if p.grad is not None]
-        weights = [p.data for p in params]
-        for p in params:
-            p.data = p.grad
-        try:
-            grads.update(
-                (name, t.clone()) for name, t in iter_hf_tensors(trained.model, trained.spec)
-            )
-        finally:
-            for p, weight in zip(params, weights, strict=True):
-                p.data = weight
-        return step(*args, **kwargs)
-
-    trained.optimizer.step = read
-    metrics = trained.update(batch)
-    return {k: float(v) for k, v in metrics.items()}, grads
 
 
 @pytest.mark.parametrize("case", list(CASES))

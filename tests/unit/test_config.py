@@ -30,7 +30,7 @@ DEBUG_FSDP_TP = CONFIGS / "debug_fsdp_tp.toml"
 
 SECTIONS = (
     "model, parallelism, activation_checkpoint, compile, optimizer, lr_scheduler, learner, "
-    "loss, kl, rollout, tokenizer, data, reward, eval, checkpoint, run, logging"
+    "loss, kl, advantage, rollout, tokenizer, data, reward, eval, checkpoint, run, logging"
 )
 PARALLELISM_KEYS = (
     "dp_replicate, dp_shard, fsdp_reshard_after_forward, param_dtype, reduce_dtype, "
@@ -164,7 +164,7 @@ BAD_CONFIGS = {
     "unknown_loss": (
         '[loss]\nname = "ppo"\n',
         [],
-        exact("[loss] name: 'ppo' is not allowed; allowed: 'grpo', 'dapo', 'cispo'"),
+        exact("[loss] name: 'ppo' is not allowed; allowed: 'grpo', 'dapo', 'cispo', 'gspo'"),
     ),
     "loss_key_typo": (
         "[loss]\nclip_eps = 0.2\n",
@@ -184,7 +184,8 @@ BAD_CONFIGS = {
         [],
         exact(
             "[loss] aggregation: 'prompt-mean' is not allowed; allowed: 'token_mean', "
-            "'prompt_mean' (did you mean 'prompt_mean'?)"
+            "'prompt_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm' (did you mean "
+            "'prompt_mean'?)"
         ),
     ),
     "loss_clip_epsilon_triple": (

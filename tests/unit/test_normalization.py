@@ -24,9 +24,16 @@ from titan_learner.learner.normalization import micro_batch_counts, step_counts
 
 TOL = 1e-5
 F32 = torch.float32
+MAX_NEW_TOKENS = 16  # seq_mean_token_sum_norm's constant
 LOSSES = {
     "token_mean": {},
     "prompt_mean": {"aggregation": "prompt_mean"},
+    "seq_mean_token_sum": {"aggregation": "seq_mean_token_sum"},
+    "seq_mean_token_sum_norm": {"aggregation": "seq_mean_token_sum_norm"},
+    "gspo": {"name": "gspo"},
+    "sequence mask correction": {
+        "correction": {"level": "sequence", "mode": "mask", "low": 0.5, "high": 1.5}
+    },
     "token_mean with KL": {"kl_to_ref_coeff": 0.1},
     "dapo": {"clip_epsilon": [0.2, 0.28]},
 }
@@ -43,6 +50,7 @@ def learner(loss: dict, accumulate: int = 1) -> LocalLearner:
         tiny_config(
             loss={"name": name, **loss},
             learner={"clip_norm": 0.0, "grad_accum_steps": accumulate},
+            rollout={"max_new_tokens": MAX_NEW_TOKENS},
         )
     )
 
@@ -79,7 +87,9 @@ def test_accumulated_step_equals_the_whole_batch(name, cut):
 def by_hand_loss(one: LocalLearner, batch, aggregation: str) -> torch.Tensor:
     """GRPO's loss written out: per trained token, -min(r A, clip(r, 0.8, 1.2) A) minus 0.01
     times the entropy (r = pi / mu); token_mean: their sum over the count of trained tokens;
-    prompt_mean: the mean over rows of each row's token mean."""
+    prompt_mean: the mean over rows of each row's token mean; seq_mean_token_sum: the mean over
+    rows of each row's token sum; seq_mean_token_sum_norm: their sum over rows x
+    MAX_NEW_TOKENS."""
     dist = one.policy.get_dist(batch, mask_key=ASSISTANT_MASK_KEY)
     mask = batch.get(ASSISTANT_MASK_KEY)
     current = torch.where(mask, dist.log_prob(batch.get(TOKENS_KEY)), 0.0)
@@ -89,6 +99,10 @@ def by_hand_loss(one: LocalLearner, batch, aggregation: str) -> torch.Tensor:
     per_token = torch.where(mask, objective - 0.01 * torch.where(mask, dist.entropy(), 0.0), 0.0)
     if aggregation == "token_mean":
         return per_token.sum() / mask.sum()
+    if aggregation == "seq_mean_token_sum":
+        return per_token.sum(1).mean()
+    if aggregation == "seq_mean_token_sum_norm":
+        return per_token.sum() / (mask.shape[0] * MAX_NEW_TOKENS)
     return (per_token.sum(1) / mask.sum(1)).mean()
 
 
@@ -137,7 +151,8 @@ def test_an_aggregation_the_normalization_does_not_know_is_refused():
     construction when the loss module is given, and at the update when it changed since."""
     message = (
         "GRPOLoss.aggregation = 'seq-mean-token-sum' has no normalization across micro-batches "
-        "and ranks; allowed: 'token_mean', 'prompt_mean'"
+        "and ranks; allowed: 'token_mean', 'prompt_mean', 'seq_mean_token_sum', "
+        "'seq_mean_token_sum_norm'"
     )
     one = learner({})
     one.loss_module.aggregation = "seq-mean-token-sum"
@@ -163,9 +178,7 @@ def test_accumulation_without_step_counts_is_refused_before_any_compute(name):
     loss = LOSSES[name]
     split = learner(loss, accumulate=2)
     before = split.get_weights(dtype=F32)
-    averaged = {
-        "prompt_mean": "aggregation prompt_mean",
-    }.get(name, "aggregation token_mean")
+    averaged = f"aggregation {split.loss_module.aggregation}"
     with pytest.raises(ValueError) as info:
         split.update(varied_batch(loss)[:3])
     assert str(info.value) == (

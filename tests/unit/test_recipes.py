@@ -11,20 +11,13 @@ from tests.unit.test_config import intended_world_size, run_check
 
 RECIPES = Path(__file__).parents[2] / "configs" / "recipes"
 NAMES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
-NEEDS_ALGOS_LOSS = pytest.mark.xfail(
-    strict=False, reason="needs [advantage]/gspo/seq_mean_token_sum_norm from algos-loss"
-)
-CASES = [
-    pytest.param(name, marks=NEEDS_ALGOS_LOSS if name in ("dr_grpo", "gspo") else ())
-    for name in NAMES
-]
 
 
 def test_every_recipe_is_listed():
     assert sorted(path.stem for path in RECIPES.glob("*.toml")) == sorted(NAMES)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", NAMES)
 def test_recipe_passes_check(capsys, name):
     path = RECIPES / f"{name}.toml"
     world = intended_world_size(path)

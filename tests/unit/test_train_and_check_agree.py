@@ -17,18 +17,19 @@ BAD = {
     "loss keyword": (["loss.clip_eps=0.2"], "[loss]: unknown key 'clip_eps' for loss 'grpo'"),
     "aggregation with a hyphen": (
         ['loss.aggregation="token-mean"'],
-        "[loss] aggregation: 'token-mean' is not allowed; allowed: 'token_mean', 'prompt_mean' "
-        "(did you mean 'token_mean'?)",
+        "[loss] aggregation: 'token-mean' is verl's name; here it is 'token_mean'; allowed: "
+        "'token_mean', 'prompt_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm'",
     ),
     "verl's aggregation name": (
-        ['loss.aggregation="seq-mean-token-sum"'],
-        "[loss] aggregation: 'seq-mean-token-sum' is not allowed; allowed: 'token_mean', "
-        "'prompt_mean'\n",
+        ['loss.aggregation="seq-mean-token-mean"'],
+        "[loss] aggregation: 'seq-mean-token-mean' is verl's name; here it is 'prompt_mean'; "
+        "allowed: 'token_mean', 'prompt_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm'\n",
     ),
     "per-token aggregation": (
         ['loss.aggregation="none"'],
-        "[loss] aggregation: 'none' is not allowed; allowed: 'token_mean', 'prompt_mean'; "
-        "TorchRL's 'none' leaves a loss per token, not the scalar the learner trains",
+        "[loss] aggregation: 'none' is not allowed; allowed: 'token_mean', 'prompt_mean', "
+        "'seq_mean_token_sum', 'seq_mean_token_sum_norm'; TorchRL's 'none' leaves a loss per "
+        "token, not the scalar the learner trains",
     ),
     "summed reduction": (
         ['loss.reduction="sum"'],

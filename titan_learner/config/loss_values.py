@@ -14,6 +14,7 @@ aggregations listed; tests hold the table to TorchRL's signature and behaviour.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,26 +25,59 @@ from titan_learner.config.tables import check_value
 
 @dataclass(frozen=True)
 class LossKey:
-    """What one [loss] key accepts: a type hint and limits as a schema field's, and the
-    values TorchRL takes that the learner refuses, each with the reason."""
+    """What one [loss] key accepts: a type hint and limits as a schema field's, the values
+    TorchRL takes that the learner refuses, each with the reason, and another library's
+    spelling of an allowed value, refused with ours (a did-you-mean could suggest another)."""
 
     kind: Any
     limits: Mapping[str, Any] = field(default_factory=dict)
     refused: Mapping[str, str] = field(default_factory=dict)
+    renamed: Mapping[str, str] = field(default_factory=dict)
     doc: str = ""  # its meaning, for docs/config.md and `check --explain`
 
 
-AGGREGATIONS = ("token_mean", "prompt_mean")
-"""`aggregation`: a mean over the step's trained tokens, or over its rows of their tokens' mean."""
+AGGREGATIONS = ("token_mean", "prompt_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+"""`aggregation`, over the step's trained tokens: their mean (verl's "token-mean"); over its
+rows, the mean of each row's token mean (verl's "seq-mean-token-mean"), of each row's token sum
+("seq-mean-token-sum"), or the sum over tokens divided by rows x [rollout] max_new_tokens (Dr.
+GRPO's constant normalizer, verl's "seq-mean-token-sum-norm")."""
+VERL_AGGREGATIONS = {
+    "token-mean": "token_mean",
+    "seq-mean-token-mean": "prompt_mean",
+    "seq-mean-token-sum": "seq_mean_token_sum",
+    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+}
+"""verl's `loss_agg_mode` names of the aggregations."""
 MASKING_STRATEGIES = ("sft", "rlhf", "generic")
 PADDING_SIDES = ("left", "right")
 COEFFICIENT = LossKey(float, {"min": 0})
+
+
+@dataclass
+class CorrectionTable:
+    """`[loss.correction]`: each trained token weighted by the importance ratio r = pi / mu
+    against the behaviour policy mu that sampled it (the batch's log-probs), without gradient.
+
+    level "token": r per token; "sequence": per row, the geometric mean of its tokens' ratios.
+    mode "truncate": min(r, high) (TIS; verl rollout_corr's truncate); "mask": r where
+    low <= r <= high, 0 elsewhere (IcePop; verl's mask). `low` is mask's alone (default
+    1 / high).
+    """
+
+    level: Literal["token", "sequence"] = "token"
+    mode: Literal["truncate", "mask"] = "truncate"
+    low: float | None = field(default=None, metadata={"min": 0.0, "max": 1.0})
+    high: float = field(default=2.0, metadata={"min": 1.0})
+
+
 NOT_A_SCALAR = "TorchRL's 'none' leaves a loss per token, not the scalar the learner trains"
 
 LOSS_KEYS: dict[str, LossKey] = {
     "clip_epsilon": LossKey(float | tuple[float, float]),  # its ranges: check_clip_epsilon
     "kl_mask_threshold": LossKey(float, {"min": 0}),
-    "aggregation": LossKey(Literal[AGGREGATIONS], refused={"none": NOT_A_SCALAR}),
+    "aggregation": LossKey(
+        Literal[AGGREGATIONS], refused={"none": NOT_A_SCALAR}, renamed=VERL_AGGREGATIONS
+    ),
     "entropy_bonus": LossKey(bool),
     "samples_mc_entropy": LossKey(int, {"min": 1}),
     "entropy_coeff": COEFFICIENT,
@@ -59,8 +93,11 @@ LOSS_KEYS: dict[str, LossKey] = {
     "masking_strategy": LossKey(Literal[MASKING_STRATEGIES]),
     "ref_log_prob_padding_side": LossKey(Literal[PADDING_SIDES]),
     "ref_log_prob_padding_value": LossKey(float),
-    "tis_cap": LossKey(float, {"min": 1}),  # this project's (titan_learner.learner.losses)
-    "mask_truncated": LossKey(bool),  # this project's (titan_learner.job.reward_shaping)
+    # this project's own (titan_learner.learner.losses, .gspo, .correction, .job.reward_shaping)
+    "tis_cap": LossKey(float, {"min": 1}),
+    "gspo_token": LossKey(bool),
+    "correction": LossKey(CorrectionTable),
+    "mask_truncated": LossKey(bool),
 }
 UNREAD_KEYS = ("gamma", "clip_value")
 """Keyword arguments TorchRL's GRPO-family losses take and never read (no value function)."""
@@ -79,6 +116,14 @@ def check_loss_value(key: str, value: Any, source: str) -> None:
             where=where,
         )
     rule = LOSS_KEYS[key]
+    ours = rule.renamed.get(value) if isinstance(value, str) else None
+    if ours is not None:
+        allowed = ", ".join(repr(v) for v in typing.get_args(rule.kind))
+        raise ConfigError(
+            f"{value!r} is verl's name; here it is {ours!r}; allowed: {allowed}",
+            source=source,
+            where=where,
+        )
     try:
         converted = check_value(value, rule.kind, rule.limits, ("loss", key), source)
     except ConfigError as err:
@@ -88,6 +133,31 @@ def check_loss_value(key: str, value: Any, source: str) -> None:
         raise ConfigError(f"{err.detail}; {why}", source=source, where=where) from None
     if key == "clip_epsilon":
         check_clip_epsilon(converted, value, source)
+    if key == "correction" and converted.mode == "truncate" and converted.low is not None:
+        raise ConfigError(
+            f"low = {converted.low} bounds the ratios mode = 'mask' keeps; 'truncate' caps "
+            "the ratio from above only (min(r, high)); allowed: leave low out, or mode = 'mask'",
+            source=source,
+            where="[loss.correction] low",
+        )
+
+
+def correction_table(kwargs: Mapping[str, Any], source: str) -> CorrectionTable | None:
+    """The [loss] correction a config asks for: `[loss.correction]`, or its alias `tis_cap = C`
+    (level "token", mode "truncate", high C); None without either."""
+    table, cap = kwargs.get("correction"), kwargs.get("tis_cap")
+    if table is not None and cap is not None:
+        raise ConfigError(
+            "tis_cap = C is [loss.correction] level = 'token', mode = 'truncate', high = C; "
+            "allowed: one of them",
+            source=source,
+            where="[loss] tis_cap",
+        )
+    if cap is not None:
+        return CorrectionTable(high=float(cap))
+    if table is None:
+        return None
+    return check_value(table, CorrectionTable, {}, ("loss", "correction"), source)
 
 
 def check_clip_epsilon(bounds: float | tuple[float, float], value: Any, source: str) -> None:

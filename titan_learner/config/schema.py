@@ -161,9 +161,22 @@ class LearnerSection:
 
 @dataclass
 class LossSection:
-    name: Literal["grpo", "dapo", "cispo"] = "grpo"
+    name: Literal["grpo", "dapo", "cispo", "gspo"] = "grpo"
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML."""
+    """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML
+    (`[loss.correction]` a sub-table: titan_learner.config.loss_values.CorrectionTable)."""
+
+
+@dataclass
+class AdvantageSection:
+    """How each row's advantage is made from the rewards of its group of G completions: the
+    reward less the group's mean, divided by a std + eps (TRL's `scale_rewards`)."""
+
+    scale: Literal["group", "batch", "none"] = "group"
+    """group: the group's std (GRPO); batch: the std of the step's rewards over every
+    data-parallel rank; none: no division (Dr. GRPO; verl norm_adv_by_std_in_grpo = false)."""
+    eps: float = field(default=1e-4, metadata={"min": 0.0, "not": (0.0,), "allowed": "> 0"})
+    """Added to the std: a group (or batch) of equal rewards gets advantage 0."""
 
 
 @dataclass
@@ -394,6 +407,7 @@ class Config:
     learner: LearnerSection = field(default_factory=LearnerSection)
     loss: LossSection = field(default_factory=LossSection)
     kl: KLSection = field(default_factory=KLSection)
+    advantage: AdvantageSection = field(default_factory=AdvantageSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)

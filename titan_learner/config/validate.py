@@ -18,13 +18,21 @@ import inspect
 from pathlib import Path
 
 from titan_learner.config.errors import ConfigError, did_you_mean
-from titan_learner.config.loss_values import LOSS_KEYS, UNREAD_KEYS, check_loss_value
+from titan_learner.config.loss_values import (
+    LOSS_KEYS,
+    UNREAD_KEYS,
+    check_loss_value,
+    correction_table,
+)
 from titan_learner.config.schema import Config, LossSection
 
-# The TorchRL loss class behind each [loss] name, imported only when one is built or checked.
-LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss"}
-PROJECT_LOSS_KEYS = ("tis_cap", "mask_truncated")
+# The TorchRL loss class behind each [loss] name, imported only when one is built or checked
+# (gspo: titan_learner.learner.gspo, over GRPOLoss).
+LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss", "gspo": "GRPOLoss"}
+PROJECT_LOSS_KEYS = ("tis_cap", "correction", "mask_truncated")
 """[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.losses)."""
+NAMED_LOSS_KEYS = {"gspo": ("gspo_token",)}
+"""[loss] keys of this project's own that one loss name takes."""
 
 
 def validate_fields(config: Config) -> None:
@@ -84,7 +92,8 @@ def check_loss_kwargs(section: LossSection, source: str) -> None:
     unknown here until the table describes its values."""
     if section.kwargs:
         takes = inspect.signature(loss_class(section.name).__init__).parameters
-        allowed = [key for key in LOSS_KEYS if key in takes or key in PROJECT_LOSS_KEYS]
+        own = (*PROJECT_LOSS_KEYS, *NAMED_LOSS_KEYS.get(section.name, ()))
+        allowed = [key for key in LOSS_KEYS if key in takes or key in own]
         unread = [key for key in UNREAD_KEYS if key in takes]
         for key, value in section.kwargs.items():
             if key not in allowed and key not in unread:
@@ -95,6 +104,7 @@ def check_loss_kwargs(section: LossSection, source: str) -> None:
                     where="[loss]",
                 )
             check_loss_value(key, value, source)
+        correction_table(section.kwargs, source)  # tis_cap and [loss.correction] together
     eps = section.kwargs.get("clip_epsilon")
     if section.name == "dapo" and not isinstance(eps, list | tuple) and eps is not None:
         raise ConfigError(

@@ -1,5 +1,10 @@
 """Group-relative advantages for GRPO: A_i = (r_i - mean(group)) / (std(group) + eps).
 
+`[advantage] scale` picks the divisor (TRL's `scale_rewards` names): "group" the group's std
+(GRPO, the default), "batch" the std of the step's rewards over every data-parallel rank (the
+"group mean, batch std" of Lite PPO and TRL), "none" no division (Dr. GRPO; verl's
+`norm_adv_by_std_in_grpo = false`).
+
 A small function, not TorchRL's `torchrl.objectives.llm.MCAdvantage`, although both give the
 same numbers (tests/test_advantage.py checks it): MCAdvantage is a replay-buffer *transform* that
 queues whole trajectories (TensorDicts with group ids and done flags) until a group is complete,
@@ -13,14 +18,30 @@ MCAdvantage's `std.clamp_min(1e-6)`; both give 0 to a group whose rewards are al
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from titan_learner.job.collectives import gather_over
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from titan_learner.config.schema import AdvantageSection
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-4,
+    scale: str = "group",
+    step_rewards: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-sequence advantages `[N]` (float32) for rewards `[N]` in groups of `group_size` rows.
 
     Rows `g * group_size .. (g + 1) * group_size - 1` are the completions of prompt g (the order
-    `Generator.generate` returns them in).
+    `Generator.generate` returns them in). `scale = "batch"` divides by the std of
+    `step_rewards` (the step's rewards on every data-parallel rank; default: `rewards`).
     """
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(
@@ -42,6 +63,28 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards must be finite (NaN or inf found)")
     groups = rewards.float().view(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    std = groups.std(dim=1, keepdim=True)
-    return ((groups - mean) / (std + eps)).view(-1)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred.view(-1)
+    if scale == "batch":
+        std = (rewards if step_rewards is None else torch.as_tensor(step_rewards)).float().std()
+    elif scale == "group":
+        std = groups.std(dim=1, keepdim=True)
+    else:
+        raise ValueError(f"scale must be one of 'group', 'batch', 'none', got {scale!r}")
+    return (centred / (std + eps)).view(-1)
+
+
+def step_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    section: AdvantageSection,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's advantages as `[advantage]` asks, and the step's rewards over every
+    data-parallel rank of `group` (one all-gather, whatever the scale: the std of "batch" is
+    theirs, so a rank's advantages are its rows of the one-process step's)."""
+    step_rewards = gather_over(rewards, group, device)
+    advantages = group_advantages(rewards, group_size, section.eps, section.scale, step_rewards)
+    return advantages, step_rewards

@@ -52,7 +52,7 @@ from titan_learner.job.validate import validate
 from titan_learner.learner.batch import REF_LOG_PROBS_KEY
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import Reward, Scores, build_rewards
-from titan_learner.rollout.base import FINISHED_KEY, REWARD_KEY
+from titan_learner.rollout.base import FINISHED_KEY
 
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
@@ -235,7 +235,7 @@ def train_on(
     measured on the step's batch before the update (job.behaviour: the mismatch of a stale
     batch under the weights that sampled it); timed as part of `update_s`.
     """
-    from titan_learner.job.advantage import group_advantages
+    from titan_learner.job.advantage import step_advantages
     from titan_learner.job.step_metrics import rollout_metrics
     from titan_learner.learner.batch import ADVANTAGE_KEY, ATTENTION_MASK_KEY
     from titan_learner.learner.normalization import step_counts
@@ -249,7 +249,11 @@ def train_on(
         rollout, mine, group, inputs.tokenizer, inputs.rewards
     )
     rewards = shaped_rewards(config, scores.total, rollout.completion_lengths)
-    batch = rollout.to_batch(group_advantages(rewards, group), rewards)
+    advantage = partial(
+        step_advantages, group_size=group, section=config.advantage, group=dp_group, device=device
+    )
+    advantages, shaped = advantage(rewards)
+    batch = rollout.to_batch(advantages, rewards)
     batch = same_within_group(batch, learner.tensor_parallel_group)
     reward_s = time.perf_counter() - start
 
@@ -263,7 +267,8 @@ def train_on(
         batch = with_reference_log_probs(batch, reference, parts)
     kl_penalty = None
     if kl_in_reward(config):
-        batch, kl_penalty = penalized(batch, config.kl.coeff, reward_estimator(config), group)
+        estimator = reward_estimator(config)
+        batch, kl_penalty = penalized(batch, config.kl.coeff, estimator, lambda r: advantage(r)[0])
     if config.loss.kwargs.get("mask_truncated"):
         batch = without_truncated(batch, batch.get(FINISHED_KEY))
     micros = [batch] if budget else batch.chunk(parts)
@@ -282,7 +287,6 @@ def train_on(
     sync_s = time.perf_counter() - start
 
     all_rewards = gather_over(scores.total, dp_group, device)
-    shaped = gather_over(batch.get(REWARD_KEY), dp_group, device)
     advantages = gather_over(batch.get(ADVANTAGE_KEY).reshape(-1), dp_group, device)
     per_reward = {
         name: gather_over(values, dp_group, device) for name, values in scores.per_reward.items()

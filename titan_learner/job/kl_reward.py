@@ -19,11 +19,11 @@ on-policy, up to the engine's numerical mismatch, training/logprob_mismatch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from titan_learner.job.advantage import group_advantages
 from titan_learner.learner.batch import (
     ADVANTAGE_KEY,
     ASSISTANT_MASK_KEY,
@@ -76,12 +76,16 @@ def sequence_kl(batch: TensorDictBase, estimator: str) -> torch.Tensor:
 
 
 def penalized(
-    batch: TensorDictBase, coeff: float, estimator: str, group_size: int
+    batch: TensorDictBase,
+    coeff: float,
+    estimator: str,
+    advantages: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[TensorDictBase, torch.Tensor]:
-    """The batch with its advantage taken from the rewards less `coeff` x `sequence_kl`
+    """The batch with its advantage taken (`advantages`: the step's `[advantage]`, a
+    collective where its scale is the batch's) from the rewards less `coeff` x `sequence_kl`
     (a shallow copy; its "reward" entry stays the scored reward), and that penalty `[N]`."""
     penalty = coeff * sequence_kl(batch, estimator)
-    advantage = group_advantages(batch.get(REWARD_KEY) - penalty, group_size)
+    advantage = advantages(batch.get(REWARD_KEY) - penalty)
     out = batch.clone(recurse=False)
     out.set(ADVANTAGE_KEY, advantage.reshape(-1, 1, 1))
     return out, penalty

@@ -72,7 +72,7 @@ class MiniMaxCISPOLoss(CISPOLoss):
         clipped = log_ratio.clamp(low if self.clips_below else None, high)
         clip_fraction = (clipped != log_ratio).to(log_weight.dtype).mean()
         # log pi in value; its gradient through the log-weight the caller passes (the same as
-        # log pi's: the behaviour log-prob is a constant; `TruncatedImportanceSampling` passes
+        # log pi's: the behaviour log-prob is a constant; `BehaviourCorrection` passes
         # the log-weight less its value, so that the weight is its own)
         log_pi = log_weight + (log_prob.unsqueeze(-1) - log_weight).detach()
         return -clipped.exp() * advantage * log_pi, clip_fraction

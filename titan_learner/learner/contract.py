@@ -110,7 +110,9 @@ class Learner:
             share_prompts=config.learner.share_prompts,
         )
         self.loss_module = (
-            loss_module if loss_module is not None else build_loss(config.loss, self.policy)
+            loss_module
+            if loss_module is not None
+            else build_loss(config.loss, self.policy, max_new_tokens=config.rollout.max_new_tokens)
         )
         reject_unsynchronized_loss_parameters(
             self.loss_module, model, capabilities.data_parallel_size
@@ -171,8 +173,8 @@ class Learner:
         so the stepper's drop-the-window decision must be the same everywhere.
         """
         module = self.loss_module if method is None else getattr(self.loss_module, method)
-        record(  # what this forward sets (losses.LogProbMismatch, TokenMeanDiagnostics, TIS)
-            self.loss_module, logprob_mismatch=None, positions_per_token=None, tis_truncated=None
+        record(  # what this forward sets (losses.LogProbMismatch, TokenMeanDiagnostics)
+            self.loss_module, logprob_mismatch=None, positions_per_token=None
         )
         self.summed_loss = None
         # Edited as a dict, a TensorDict built once at the end: the learner's own loss classes
@@ -181,8 +183,6 @@ class Learner:
             out = module(batch, as_dict=True)
         else:
             out = dict(module(batch).items())
-        if self.loss_module.tis_truncated is not None:
-            out["tis_truncated"] = self.loss_module.tis_truncated
         token_mean_diagnostics(out, self.loss_module)
         if self.loss_module.logprob_mismatch is not None:
             out["logprob_mismatch"], out["logprob_mismatch_max"] = self.loss_module.logprob_mismatch

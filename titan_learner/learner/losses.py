@@ -3,8 +3,10 @@
 Which class a name means, and the check of its keyword arguments, are config validation
 (`titan_learner.config.validate`); this module instantiates it, with one change of
 normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
-Where TorchRL's class departs from the published algorithm, its subclass that follows the paper
-is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`).
+Where TorchRL's class departs from the published algorithm, or has none, the subclass that
+follows the paper is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`;
+gspo, `titan_learner.learner.gspo`). Every loss takes the row-sum aggregations
+(`titan_learner.learner.aggregation`) and `[loss.correction]` (`titan_learner.learner.correction`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import torch
 from tensordict import TensorDict
 
 from titan_learner.config.errors import ConfigError
+from titan_learner.config.loss_values import correction_table
 from titan_learner.config.validate import loss_class
+from titan_learner.learner.aggregation import RowSumAggregation
 from titan_learner.learner.batch import trained_mask
 from titan_learner.learner.cispo import MiniMaxCISPOLoss
+from titan_learner.learner.correction import BehaviourCorrection, build_correction
+from titan_learner.learner.gspo import GSPOLoss
 from titan_learner.learner.logprobs import ChunkedTokenCategorical
 from titan_learner.learner.policy import TitanPolicy
 
@@ -32,8 +38,9 @@ if TYPE_CHECKING:
 # Defaults that differ from TorchRL's: "rlhf" masks with an explicit response mask, which is what
 # the batch format carries (TorchRL's "sft" rule assumes a fixed prompt width).
 LOSS_DEFAULTS: dict[str, Any] = {"masking_strategy": "rlhf"}
-# Where TorchRL's class is not the published algorithm, the subclass that is (by [loss] name).
-PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss}
+# Where TorchRL's class is not the published algorithm (or TorchRL has none), the subclass that
+# is (by [loss] name).
+PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss, "gspo": GSPOLoss}
 
 
 def record(loss_module: Any, **values: Any) -> None:
@@ -112,32 +119,6 @@ class LogProbMismatch:
             else:
                 record(self, logprob_mismatch=(gap.new_zeros(()), gap.new_zeros(())))
         return log_weight, dist, kl_approx, mask
-
-
-class TruncatedImportanceSampling:
-    """`[loss] tis_cap = C`: truncated importance sampling against the behaviour policy.
-
-    TorchRL's GRPO-family objective clips the ratio pi_theta / mu, where mu (the batch's
-    log-probs) is the policy that sampled the tokens: an engine with other kernels, or weights
-    some versions old (`[rollout] max_off_policy_steps`). With a cap, the objective is the
-    loss's own on the current policy (ratio pi_theta / pi_theta, 1 in value, the gradient of
-    log pi_theta), each token weighted by min(pi_theta / mu, C), without gradient: the
-    truncated importance weight of TIS (Yao et al., 2025). Tokens the generator made far more
-    likely than the learner would count at most C times. `tis_truncated` reports the share of
-    trained tokens whose weight was cut.
-    """
-
-    tis_cap: float | None = None
-    tis_truncated: torch.Tensor | None = None
-
-    def _compute_policy_objective(self, log_weight: Any, advantage: Any) -> tuple[Any, Any]:
-        if self.tis_cap is None:
-            return super()._compute_policy_objective(log_weight, advantage)  # type: ignore[misc]
-        behaviour = log_weight.detach()  # log pi_theta - log mu; 0 off the trained tokens
-        weight = behaviour.exp().clamp(max=self.tis_cap)
-        record(self, tis_truncated=(behaviour > math.log(self.tis_cap)).to(weight.dtype).mean())
-        loss, clipped = super()._compute_policy_objective(log_weight - behaviour, advantage)  # type: ignore[misc]
-        return loss * weight, clipped
 
 
 class MaskedLogWeight:
@@ -265,8 +246,11 @@ class LeanForward:
                 out = dict(out.items())
             if as_dict and self._weighed is not None:  # TorchRL's output class has no room
                 self.policy_diagnostics(out, *self._weighed)
+            if as_dict and self.correction_metrics:  # type: ignore[attr-defined]
+                out.update(self.correction_metrics)  # type: ignore[attr-defined]
         finally:
-            record(self, _weighed=None)  # the distribution holds the batch's hidden states
+            # the distribution holds the batch's hidden states
+            record(self, _weighed=None, correction_metrics=None)
         if as_dict:
             return out
         return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))  # type: ignore[attr-defined]
@@ -281,11 +265,15 @@ class LeanForward:
     ) -> None:
         """What a GRPO researcher reads first, without gradient, with or without an entropy
         bonus: `entropy`, and which side the ratio was clipped on, `clip_fraction_low` (below
-        1 - eps_low) and `clip_fraction_high` (above 1 + eps_high); padded-position means like
+        1 - eps_low) and `clip_fraction_high` (above 1 + eps_high) of the ratio the objective
+        clips (a loss's `ratio_log_weight`, else the token's); padded-position means like
         TorchRL's `clip_fraction`, made token means by `token_mean_diagnostics`."""
         with torch.no_grad():
             if "entropy" not in out:
                 out["entropy"] = self._get_entropy(dist, adv_shape=adv_shape).mean()  # type: ignore[attr-defined]
+            clipped = getattr(self, "ratio_log_weight", None)  # a loss of another ratio (gspo)
+            if clipped is not None:
+                log_weight = clipped(log_weight)
             low, high = self._clip_bounds  # type: ignore[attr-defined]
             out["clip_fraction_low"] = (log_weight < low).to(log_weight.dtype).mean()
             out["clip_fraction_high"] = (log_weight > high).to(log_weight.dtype).mean()
@@ -366,7 +354,6 @@ TOKEN_DIAGNOSTICS = (
     "clip_fraction_high",
     "kl_approx",
     "entropy",
-    "tis_truncated",
 )
 
 
@@ -430,17 +417,18 @@ def token_mean_diagnostics(out: MutableMapping[str, Any], loss_module: nn.Module
 @functools.cache
 def titan_loss_class(cls: type) -> type:
     """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch`,
-    `TokenMeanDiagnostics`, `TruncatedImportanceSampling`, `TokenMeanAggregation`,
-    `TrainedTokens` (the others read its count) and, innermost, `MaskedLogWeight`,
-    `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own helpers; the same class
-    on every call."""
+    `TokenMeanDiagnostics`, `BehaviourCorrection`, `TokenMeanAggregation`,
+    `RowSumAggregation`, `TrainedTokens` (the others read its mask and count) and, innermost,
+    `MaskedLogWeight`, `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own
+    helpers; the same class on every call."""
     bases = (
         LeanForward,
         TokenMeanKL,
         LogProbMismatch,
         TokenMeanDiagnostics,
-        TruncatedImportanceSampling,
+        BehaviourCorrection,
         TokenMeanAggregation,
+        RowSumAggregation,
         TrainedTokens,
         MaskedLogWeight,
         ChunkedEntropy,
@@ -456,17 +444,23 @@ def titan_loss_class(cls: type) -> type:
     return mixed
 
 
-def build_loss(section: LossSection, actor: nn.Module) -> nn.Module:
-    """Instantiate the TorchRL loss over `actor` with the configured keyword arguments."""
+def build_loss(
+    section: LossSection, actor: nn.Module, *, max_new_tokens: int | None = None
+) -> nn.Module:
+    """Instantiate the TorchRL loss over `actor` with the configured keyword arguments;
+    `max_new_tokens` ([rollout]) is `seq_mean_token_sum_norm`'s constant."""
     kwargs = {**LOSS_DEFAULTS, **section.kwargs}
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
-    tis_cap = kwargs.pop("tis_cap", None)
+    correction = build_correction(correction_table(kwargs, "[loss]"), "tis_cap" in kwargs)
+    kwargs.pop("correction", None)
+    kwargs.pop("tis_cap", None)
     kwargs.pop("mask_truncated", None)  # the job's: it leaves truncated rows out of the batch
     try:
         base = PUBLISHED_OBJECTIVES.get(section.name) or loss_class(section.name)
         loss = titan_loss_class(base)(actor, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err
-    loss.tis_cap = None if tis_cap is None else float(tis_cap)
+    loss.max_new_tokens = max_new_tokens
+    loss.correction = correction
     return loss

@@ -9,7 +9,7 @@ each micro-batch's term is scaled before backward by
     scale = data_parallel_size * accumulation_steps * (its count) / (the step's count)
 
 where the counts are the term's own: trained tokens (`token_mean`, and the KL terms), rows
-(`prompt_mean`), or one per micro-batch (a loss module of the user's own that declares no
+(`prompt_mean`, `seq_mean_token_sum`, `seq_mean_token_sum_norm`), or one per micro-batch (a loss module of the user's own that declares no
 `aggregation`: the mean of means). An aggregation not in `AGGREGATION_COUNTS` is refused: any
 weighting picked for it would train another objective without a word. FSDP averages gradients
 over data-parallel ranks and the stepper divides by the accumulation steps, so the gradients
@@ -42,7 +42,12 @@ from titan_learner.learner.losses import TokenMeanKL
 TOKENS, ROWS, CALLS = "tokens", "rows", "calls"
 KINDS = (TOKENS, ROWS, CALLS)
 KL_TERMS = ("loss_kl_to_ref", "loss_kl_to_inference")
-AGGREGATION_COUNTS = {"token_mean": TOKENS, "prompt_mean": ROWS}
+AGGREGATION_COUNTS = {
+    "token_mean": TOKENS,
+    "prompt_mean": ROWS,
+    "seq_mean_token_sum": ROWS,
+    "seq_mean_token_sum_norm": ROWS,  # the sum over tokens / (rows x a constant)
+}
 """The count each aggregation's terms are means over: exactly [loss] aggregation's allowed
 values (`titan_learner.config.loss_values.AGGREGATIONS`)."""
 MAX_SUFFIX = "_max"  # a diagnostic reported as its largest value, not a weighted mean
