@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from tests.integration.test_train import short_run
-from tests.support.models import GROUP, batches, hf_model, tiny_config
-from tests.support.worlds import run_world
-from tests.unit.test_cispo import (
+from tests.support.by_hand import (
     F32,
-    by_hand,
     clipping_batch,
     response_log_probs,
     transformers_twin,
     update_with_gradients,
 )
+from tests.support.models import GROUP, batches, hf_model, tiny_config
+from tests.support.worlds import run_world
+from tests.unit.test_cispo import by_hand
 from titan_learner.job.advantage import group_advantages
 from titan_learner.job.grpo import with_reference_log_probs
 from titan_learner.job.kl_reward import K3_CLAMP, penalized

@@ -65,39 +65,98 @@ class CorrectionTable:
     """
 
     level: Literal["token", "sequence"] = "token"
+    """token: a ratio per token; sequence: per row, the geometric mean of its token ratios."""
     mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: weight min(r, high) (TIS); mask: r inside [low, high], 0 outside (IcePop)."""
     low: float | None = field(default=None, metadata={"min": 0.0, "max": 1.0})
+    """mask only: the lower bound; default 1 / high."""
     high: float = field(default=2.0, metadata={"min": 1.0})
+    """The upper bound of the ratio."""
 
 
 NOT_A_SCALAR = "TorchRL's 'none' leaves a loss per token, not the scalar the learner trains"
 
+PROJECT_DEFAULTS: dict[str, Any] = {"masking_strategy": "rlhf"}
+"""Defaults that differ from TorchRL's: "rlhf" masks with an explicit response mask, which is
+what the batch format carries (TorchRL's "sft" rule assumes a fixed prompt width)."""
+
 LOSS_KEYS: dict[str, LossKey] = {
-    "clip_epsilon": LossKey(float | tuple[float, float]),  # its ranges: check_clip_epsilon
-    "kl_mask_threshold": LossKey(float, {"min": 0}),
-    "aggregation": LossKey(
-        Literal[AGGREGATIONS], refused={"none": NOT_A_SCALAR}, renamed=VERL_AGGREGATIONS
+    "clip_epsilon": LossKey(  # its ranges: check_clip_epsilon
+        float | tuple[float, float],
+        doc="The clip range of the importance ratio: eps (1 - eps, 1 + eps) or [low, high] "
+        "(1 - low, 1 + high; DAPO's clip-higher); gspo's default is the paper's [3e-4, 4e-4], "
+        "on the sequence ratio.",
     ),
-    "entropy_bonus": LossKey(bool),
-    "samples_mc_entropy": LossKey(int, {"min": 1}),
-    "entropy_coeff": COEFFICIENT,
+    "kl_mask_threshold": LossKey(
+        float,
+        {"min": 0},
+        doc="Leave out of the loss the tokens whose |log pi - log mu| exceeds this (TorchRL's "
+        "KL mask against the inference policy); unset: none.",
+    ),
+    "aggregation": LossKey(
+        Literal[AGGREGATIONS],
+        refused={"none": NOT_A_SCALAR},
+        renamed=VERL_AGGREGATIONS,
+        doc="How token terms become the step's loss, exact over ranks and micro-batches: "
+        "token_mean (verl's token-mean), prompt_mean (seq-mean-token-mean; gspo's default), "
+        "seq_mean_token_sum (seq-mean-token-sum), seq_mean_token_sum_norm (Dr. GRPO's sum over "
+        "rows x [rollout] max_new_tokens).",
+    ),
+    "entropy_bonus": LossKey(
+        bool,
+        doc="Add -entropy_coeff x the mean token entropy to the loss (entropy is logged "
+        "either way).",
+    ),
+    "samples_mc_entropy": LossKey(
+        int, {"min": 1}, doc="Samples of TorchRL's Monte-Carlo entropy estimate."
+    ),
+    "entropy_coeff": LossKey(float, {"min": 0}, doc="The entropy bonus's coefficient."),
     "reduction": LossKey(
         Literal["mean"],
         refused={
             "none": NOT_A_SCALAR,
             "sum": "TorchRL's GRPO-family losses ignore 'sum' and take means",
         },
+        doc="TorchRL's reduction: the learner trains a scalar mean.",
     ),
-    "kl_to_ref_coeff": COEFFICIENT,
-    "kl_to_inference_coeff": COEFFICIENT,
-    "masking_strategy": LossKey(Literal[MASKING_STRATEGIES]),
-    "ref_log_prob_padding_side": LossKey(Literal[PADDING_SIDES]),
-    "ref_log_prob_padding_value": LossKey(float),
+    "kl_to_ref_coeff": LossKey(
+        float,
+        {"min": 0},
+        doc="[kl] placement = loss: the coefficient of the KL (k3) to the reference policy, a "
+        "token mean; a frozen reference copy is held while it is set.",
+    ),
+    "kl_to_inference_coeff": LossKey(
+        float,
+        {"min": 0},
+        doc="The coefficient of TorchRL's KL to the behaviour (inference) policy, a token mean.",
+    ),
+    "masking_strategy": LossKey(
+        Literal[MASKING_STRATEGIES],
+        doc="TorchRL's rule for which tokens are trained; rlhf (ours by default) reads the "
+        "batch's response mask.",
+    ),
+    "ref_log_prob_padding_side": LossKey(
+        Literal[PADDING_SIDES], doc="TorchRL's padding side of reference log-probs."
+    ),
+    "ref_log_prob_padding_value": LossKey(
+        float, doc="TorchRL's padding value of reference log-probs."
+    ),
     # this project's own (titan_learner.learner.losses, .gspo, .correction, .job.reward_shaping)
-    "tis_cap": LossKey(float, {"min": 1}),
-    "gspo_token": LossKey(bool),
-    "correction": LossKey(CorrectionTable),
-    "mask_truncated": LossKey(bool),
+    "tis_cap": LossKey(
+        float,
+        {"min": 1},
+        doc="Truncated importance sampling against the behaviour policy: [loss.correction] "
+        "level token, mode truncate, high = tis_cap (its older name).",
+    ),
+    "gspo_token": LossKey(
+        bool, doc="gspo only: GSPO-token, each token's ratio sg(s_i) pi_t / sg(pi_t)."
+    ),
+    "correction": LossKey(CorrectionTable, doc="[loss.correction], below."),
+    "mask_truncated": LossKey(
+        bool,
+        doc="DAPO's overlong filtering: completions cut at max_new_tokens train no token (they "
+        "still count in their group's advantage).",
+    ),
 }
 UNREAD_KEYS = ("gamma", "clip_value")
 """Keyword arguments TorchRL's GRPO-family losses take and never read (no value function)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_learner.config.errors import ConfigError, did_you_mean
-from titan_learner.config.loss_values import LOSS_KEYS
+from titan_learner.config.loss_values import LOSS_KEYS, PROJECT_DEFAULTS
 from titan_learner.config.schema import SECTIONS, Config, LossSection
 from titan_learner.config.tables import type_name
 
@@ -129,13 +129,39 @@ def _section_keys(cls: type, section: str) -> list[KeyDoc]:
 
 
 def _loss_keys() -> list[KeyDoc]:
-    """[loss] keys beside `name`: TorchRL's loss keyword arguments and ours (`loss_values`)."""
-    keys = []
+    """[loss] keys beside `name`: TorchRL's loss keyword arguments and ours (`loss_values`),
+    with the defaults the learner builds with (TorchRL's signature, or ours over it)."""
+    keys, tables = [], []
     for key, rule in LOSS_KEYS.items():
+        if dataclasses.is_dataclass(rule.kind):  # a sub-table ([loss.correction]): after [loss]
+            tables += _section_keys(rule.kind, f"loss.{key}")
+            continue
         refused = "; ".join(f"not {value!r}: {why}" for value, why in rule.refused.items())
         limits = " and ".join(filter(None, (_limits(rule.limits), refused)))
-        keys.append(KeyDoc("loss", key, type_name(rule.kind), "the loss's own", limits, rule.doc))
-    return keys
+        default = "false" if rule.kind is bool and key not in _torchrl_keys() else None
+        default = default or _loss_default(key)
+        keys.append(KeyDoc("loss", key, type_name(rule.kind), default, limits, rule.doc))
+    return keys + tables
+
+
+def _torchrl_keys() -> set[str]:
+    from titan_learner.config.validate import loss_class
+
+    return set(inspect.signature(loss_class("grpo").__init__).parameters)
+
+
+def _loss_default(key: str) -> str:
+    """Ours where we set one, else TorchRL's GRPOLoss signature's (the other classes take the
+    same), else unset (our own keys)."""
+    from titan_learner.config.validate import loss_class
+
+    if key in PROJECT_DEFAULTS:
+        return repr(PROJECT_DEFAULTS[key])
+    parameter = inspect.signature(loss_class("grpo").__init__).parameters.get(key)
+    if parameter is None or parameter.default in (None, inspect.Parameter.empty):
+        return "unset"
+    value = parameter.default
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
 def config_reference() -> list[KeyDoc]:

@@ -162,6 +162,8 @@ class LearnerSection:
 @dataclass
 class LossSection:
     name: Literal["grpo", "dapo", "cispo", "gspo"] = "grpo"
+    """The objective: grpo, dapo, cispo (TorchRL's classes; cispo as MiniMax-M1 defines it) or
+    gspo (sequence-level ratio); the other [loss] keys are its keyword arguments and ours."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the TorchRL loss class, written as plain keys of [loss] in TOML
     (`[loss.correction]` a sub-table: titan_learner.config.loss_values.CorrectionTable)."""
@@ -300,7 +302,9 @@ class RewardSection:
     name: str | None = None
     """Its name in the metrics (training/reward/<name>_mean); default: the function's."""
     weight: float = 1.0
+    """Its weight in the completion's reward: the weighted sum of every [[reward]]."""
     timeout_s: float = field(default=10.0, metadata={"min": 0.001})
+    """Seconds one call may take; a call that overruns is an error (see on_error)."""
     on_error: Literal["raise", "zero"] = "raise"
     """raise: a reward that raises, hangs or returns a non-finite value stops the job with one
     line; zero: it scores 0 and is counted in training/reward_errors."""

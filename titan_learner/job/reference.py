@@ -25,9 +25,9 @@ import torch
 from tensordict import TensorDictBase
 from torch.distributed.fsdp import FSDPModule
 
+from titan_learner.config.loss_values import PROJECT_DEFAULTS
 from titan_learner.dtypes import DTYPES
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, ATTENTION_MASK_KEY, TOKENS_KEY
-from titan_learner.learner.losses import LOSS_DEFAULTS
 from titan_learner.learner.policy import TitanPolicy
 from titan_learner.model.build import build_model
 
@@ -66,7 +66,7 @@ class ReferenceModel:
             compute_entropy=False,
             share_prompts=learner.share_prompts,
         )
-        self._masking = {**LOSS_DEFAULTS, **config.loss.kwargs}.get("masking_strategy")
+        self._masking = {**PROJECT_DEFAULTS, **config.loss.kwargs}.get("masking_strategy")
         # The learner's loss runs under this autocast: score the reference the same way.
         self._autocast = {
             "device_type": self.device.type,

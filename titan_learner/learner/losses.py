@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from titan_learner.config.errors import ConfigError
-from titan_learner.config.loss_values import correction_table
+from titan_learner.config.loss_values import PROJECT_DEFAULTS, correction_table
 from titan_learner.config.validate import loss_class
 from titan_learner.learner.aggregation import RowSumAggregation
 from titan_learner.learner.batch import trained_mask
@@ -35,9 +35,6 @@ if TYPE_CHECKING:
 
     from titan_learner.config.schema import LossSection
 
-# Defaults that differ from TorchRL's: "rlhf" masks with an explicit response mask, which is what
-# the batch format carries (TorchRL's "sft" rule assumes a fixed prompt width).
-LOSS_DEFAULTS: dict[str, Any] = {"masking_strategy": "rlhf"}
 # Where TorchRL's class is not the published algorithm (or TorchRL has none), the subclass that
 # is (by [loss] name).
 PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss, "gspo": GSPOLoss}
@@ -449,7 +446,7 @@ def build_loss(
 ) -> nn.Module:
     """Instantiate the TorchRL loss over `actor` with the configured keyword arguments;
     `max_new_tokens` ([rollout]) is `seq_mean_token_sum_norm`'s constant."""
-    kwargs = {**LOSS_DEFAULTS, **section.kwargs}
+    kwargs = {**PROJECT_DEFAULTS, **section.kwargs}
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
     correction = build_correction(correction_table(kwargs, "[loss]"), "tis_cap" in kwargs)
