@@ -213,6 +213,10 @@ class RewardSection:
     """regex only: anywhere in the completion, or the whole completion."""
     credit: float = 1.0
     """regex only: the reward of a match (e.g. 0.1 for a format reward)."""
+    workers: int | None = field(default=None, metadata=NON_NEGATIVE)
+    """function only: processes that score completions in parallel, each call still timed out
+    (a worker that overruns is replaced); default min(8, cores); 0: in this process, in a
+    thread (a hung call is then abandoned, not stopped)."""
 
 
 @dataclass

@@ -37,9 +37,13 @@ from titan_learner.job.collectives import (
     same_within_group,
 )
 from titan_learner.job.run_directory import Resume, RunDirectory
-from titan_learner.job.scoring import score_rollout
+from titan_learner.job.scoring import reward_metrics, score_rollout
 from titan_learner.ranks import rank
-from titan_learner.rewards.runner import Reward, build_rewards
+from titan_learner.rewards.runner import (
+    Reward,
+    build_rewards,
+    close_rewards,
+)
 
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
@@ -71,7 +75,7 @@ def read_inputs(config: Config) -> JobInputs:
         tokenizer=tokenizer,
         train=train.prompts,
         eval=held_out.prompts if held_out else [],
-        rewards=build_rewards(config),
+        rewards=build_rewards(config, say=print if rank() == 0 else lambda line: None),
         skipped=train.skipped + (held_out.skipped if held_out else 0),
     )
 
@@ -282,6 +286,7 @@ def train_on(
         reward_min=float(all_rewards.min()),
         reward_max=float(all_rewards.max()),
         **{f"reward/{name}_mean": float(values.mean()) for name, values in per_reward.items()},
+        **reward_metrics(scores, dp_group, device),
         reward_errors=float(errors.sum()),
         **rollout_metrics(
             all_rewards, group_advantages(all_rewards, group), lengths, finished > 0, group
@@ -533,6 +538,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     finally:
         if callable(getattr(generator, "close", None)):
             generator.close()  # a vLLM engine's processes
+        close_rewards(inputs.rewards)  # their worker processes
     plot = telemetry.close()
     if plot is not None:
         say(f"curves: {plot}", flush=True)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 
 from titan_learner.data.loader import Prompt
 from titan_learner.data.tokenizer import PromptTokenizer
-from titan_learner.job.collectives import gather_objects, raise_everywhere
+from titan_learner.job.collectives import gather_objects, gather_over, raise_everywhere
 from titan_learner.rewards.runner import Reward, Scores, check_error_fractions, score
 
 
@@ -49,3 +50,11 @@ def judge_error_fractions(rewards: Sequence[Reward], scores: Scores | None) -> N
     the same verdict on every rank (a collective)."""
     world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     check_error_fractions(rewards, gather_objects(scores.failures if scores else {}, world))
+
+
+def reward_metrics(scores: Scores, group, device) -> dict[str, float]:
+    """Per reward: `reward/<name>_s`, the slowest rank's scoring time (a collective)."""
+    return {
+        f"reward/{name}_s": float(gather_over(torch.tensor([seconds]), group, device).max())
+        for name, seconds in scores.seconds.items()
+    }

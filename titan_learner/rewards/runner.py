@@ -9,12 +9,17 @@ and what happened; with "zero" the completion scores 0 for that reward and the e
 unless more than `max_error_fraction` of a step's completions (over every rank,
 `check_error_fractions`) fail: a reward broken on every row stops the job too, with its count
 and first error.
+
+With `workers` > 0 (the default) a function runs over a pool of processes instead
+(rewards.pool), where a call that overruns its timeout is stopped by killing its worker; a
+function that cannot be pickled stays in this process, said once when the rewards are built.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +31,7 @@ import torch
 from titan_learner.config.schema import Config, RewardSection
 from titan_learner.rewards.builtins import BUILTINS, builtin
 from titan_learner.rewards.loading import load_function
+from titan_learner.rewards.pool import RewardPool, picklable
 
 _POLL_S = 0.01
 
@@ -36,6 +42,8 @@ class RewardError(RuntimeError):
 
 @dataclass(frozen=True)
 class Reward:
+    """One configured reward: a `function`, in this process or over a `pool` of processes."""
+
     name: str
     spec: str
     function: Callable[[str, str, dict], float]
@@ -43,6 +51,7 @@ class Reward:
     timeout_s: float
     on_error: str
     max_error_fraction: float = 0.5
+    pool: RewardPool | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Scores:
     errors: int
     messages: list[str] = field(default_factory=list)
     failures: dict[str, Failures] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def reward_name(section: RewardSection) -> str:
@@ -74,11 +84,17 @@ def reward_name(section: RewardSection) -> str:
     return section.function.rpartition(":")[2]
 
 
-def build_rewards(config: Config) -> list[Reward]:
-    """The configured rewards, loaded (user functions imported) and ready to run."""
+def default_workers() -> int:
+    return min(8, len(os.sched_getaffinity(0)))
+
+
+def build_rewards(config: Config, say: Callable[[str], None] = print) -> list[Reward]:
+    """The configured rewards, loaded (user functions imported) and ready to run; worker
+    processes start on first use. `say` tells of a function that stays in this process."""
     base_dir = Path(config.source).parent
     rewards = []
     for section in config.reward:
+        name = reward_name(section)
         if section.function in BUILTINS:
             function = builtin(
                 section.function,
@@ -89,18 +105,33 @@ def build_rewards(config: Config) -> list[Reward]:
             )
         else:
             function = load_function(section.function, base_dir)
+        workers = default_workers() if section.workers is None else section.workers
+        if workers and not picklable(function):
+            say(
+                f"reward '{name}' ({section.function}) cannot be pickled for worker processes: "
+                "it runs in this process, one completion at a time"
+            )
+            workers = 0
         rewards.append(
             Reward(
-                name=reward_name(section),
+                name=name,
                 spec=section.function,
                 function=function,
                 weight=section.weight,
                 timeout_s=section.timeout_s,
                 on_error=section.on_error,
                 max_error_fraction=section.max_error_fraction,
+                pool=RewardPool(function, workers, name) if workers else None,
             )
         )
     return rewards
+
+
+def close_rewards(rewards: Sequence[Reward]) -> None:
+    """Stop the rewards' worker processes (a later `score` would start them again)."""
+    for reward in rewards:
+        if reward.pool is not None:
+            reward.pool.close()
 
 
 class _Batch:
@@ -153,13 +184,14 @@ def score(
 ) -> Scores:
     """Every reward on every completion; `origins[i]` names completion i's dataset row."""
     items = list(zip(prompts, completions, rows, strict=True))
-    total = torch.zeros(len(items), dtype=torch.float32)
     per_reward: dict[str, torch.Tensor] = {}
-    errors, messages, failures = 0, [], {}
+    errors, messages, failures, seconds = 0, [], {}, {}
     for reward in rewards:
+        started = time.perf_counter()
         values = torch.zeros(len(items), dtype=torch.float32)
         named, failed = f"reward '{reward.name}' ({reward.spec})", []
-        for index, (status, value) in sorted(_run(reward, items).items()):
+        outcomes = reward.pool.run(items, reward.timeout_s) if reward.pool else _run(reward, items)
+        for index, (status, value) in sorted(outcomes.items()):
             problem = _problem(status, value)
             if problem is None:
                 values[index] = float(value)  # type: ignore[arg-type]
@@ -172,8 +204,18 @@ def score(
         errors += len(failed)
         messages += failed
         per_reward[reward.name] = values
-        total += reward.weight * values
-    return Scores(total, per_reward, errors, messages, failures)
+        seconds[reward.name] = time.perf_counter() - started
+    total = weighted_total(rewards, per_reward, len(items))
+    return Scores(total, per_reward, errors, messages, failures, seconds)
+
+
+def weighted_total(
+    rewards: Sequence[Reward], per_reward: dict[str, torch.Tensor], count: int
+) -> torch.Tensor:
+    total = torch.zeros(count, dtype=torch.float32)
+    for reward in rewards:
+        total += reward.weight * per_reward[reward.name]
+    return total
 
 
 def check_error_fractions(rewards: Sequence[Reward], parts: Sequence[dict[str, Failures]]) -> None:
