@@ -1,6 +1,7 @@
 """Rule rewards and user functions over worker processes: the same scores as in this process,
 a hung call stopped (its worker replaced) without holding up the rest, a dead worker reported
-on its row, a function that cannot be pickled kept in this process and said once."""
+on its row, a function that cannot be pickled kept in this process and said once; and the
+running normalizer's statistics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import torch
 
 from titan_learner.config.toml import config_from_dict
+from titan_learner.rewards.normalize import RunningNorm
 from titan_learner.rewards.runner import build_rewards, close_rewards, score
 
 ANSWERS = ["72", "5", "0.5", "1,234", "18"]
@@ -115,3 +117,21 @@ def test_a_function_that_cannot_be_pickled_runs_here_said_once(tmp_path):
         "process, one completion at a time"
     ]
     assert run_score(rewards, ["a", "b"]).total.tolist() == [2.0, 2.0]
+
+
+def test_running_statistics_are_those_of_every_score_so_far():
+    norm, seen = RunningNorm(), []
+    generator = torch.Generator().manual_seed(0)
+    for size in (3, 17, 1, 40):
+        batch = (torch.randn(size, generator=generator, dtype=torch.float64) * 3 + 2).tolist()
+        norm.update(batch)
+        seen += batch
+        reference = torch.tensor(seen, dtype=torch.float64)
+        assert abs(norm.mean - float(reference.mean())) < 1e-9
+        assert abs(norm.std - float(reference.std(unbiased=False))) < 1e-9
+    values = torch.tensor([2.0, 5.0])
+    expected = (values - float(reference.mean())) / float(reference.std(unbiased=False))
+    assert torch.allclose(norm.apply(values), expected.float())
+    restored = RunningNorm()
+    restored.load_state_dict(norm.state_dict())
+    assert torch.equal(restored.apply(values), norm.apply(values))

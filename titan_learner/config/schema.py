@@ -196,9 +196,15 @@ class DataSection:
 class RewardSection:
     function: str = ""
     """A built-in (math, exact_match, regex) or a user function "file.py:name" /
-    "package.module:name" with signature score(prompt: str, completion: str, row: dict) -> float."""
+    "package.module:name" with signature score(prompt: str, completion: str, row: dict) -> float.
+    Exactly one of function and model."""
+    model: str | None = None
+    """A Hugging Face AutoModelForSequenceClassification directory (num_labels 1, its tokenizer
+    with a chat template beside it): the prompt and the completion, as text, rendered through
+    its own chat template and scored in batches. Exactly one of function and model."""
     name: str | None = None
-    """Its name in the metrics (training/reward/<name>_mean); default: the function's."""
+    """Its name in the metrics (training/reward/<name>_mean); default: the function's, or the
+    model directory's name."""
     weight: float = 1.0
     timeout_s: float = field(default=10.0, metadata={"min": 0.001})
     on_error: Literal["raise", "zero"] = "raise"
@@ -217,6 +223,18 @@ class RewardSection:
     """function only: processes that score completions in parallel, each call still timed out
     (a worker that overruns is replaced); default min(8, cores); 0: in this process, in a
     thread (a hung call is then abandoned, not stopped)."""
+    batch_size: int = field(default=8, metadata=POSITIVE)
+    """model only: completions per forward of the reward model."""
+    device: str = "learner"
+    """model only: learner (the learner's device on each rank), cpu, cuda or cuda:N."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """model only: the reward model's weights and compute dtype."""
+    max_length: int = field(default=1024, metadata={"min": 2})
+    """model only: tokens of a rendered (prompt, completion) pair; a longer one loses the start
+    of its prompt (counted in training/reward/<name>_truncated)."""
+    normalize: Literal["none", "running"] = "none"
+    """running: the score minus its running mean over every scored completion (all ranks), over
+    its running standard deviation; the statistics are kept in the checkpoint."""
 
 
 @dataclass

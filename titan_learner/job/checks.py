@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from titan_learner.config.errors import ConfigError
-from titan_learner.config.schema import Config
+from titan_learner.config.schema import Config, RewardSection
 from titan_learner.data.errors import DataError
 from titan_learner.data.files import read_rows, resolve
 from titan_learner.job.vllm_checks import check_vllm_machine, check_vllm_structure
@@ -43,12 +43,7 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
     names: dict[str, int] = {}
     for index, section in enumerate(config.reward):
         where = f"[[reward]] #{index + 1}"
-        if not section.function:
-            raise ConfigError(
-                f"function is missing; allowed: {', '.join(BUILTINS)} or 'file.py:function'",
-                source=source,
-                where=where,
-            )
+        check_reward_kind(config, section, where)
         if section.function == "regex":
             if not section.pattern:
                 raise ConfigError("regex needs a pattern", source=source, where=f"{where} pattern")
@@ -87,6 +82,33 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
         )
     if config.rollout.generator == "vllm":
         check_vllm_structure(config, data_parallel)
+
+
+_DEVICE = re.compile(r"learner|cpu|cuda(:\d+)?")
+
+
+def check_reward_kind(config: Config, section: RewardSection, where: str) -> None:
+    """Exactly one of function and model, and the keys of the kind given."""
+    if bool(section.function) == bool(section.model):
+        found = "both function and model" if section.function else "neither function nor model"
+        raise ConfigError(
+            f"{found}; allowed: exactly one, function = {' | '.join(map(repr, BUILTINS))} | "
+            "'file.py:function' or model = 'path/to/reward-model'",
+            source=config.source,
+            where=where,
+        )
+    if section.model and section.workers is not None:
+        raise ConfigError(
+            "workers is for a function; allowed: batch_size and device for a reward model",
+            source=config.source,
+            where=f"{where} workers",
+        )
+    if section.model and not _DEVICE.fullmatch(section.device):
+        raise ConfigError(
+            f"{section.device!r}; allowed: learner, cpu, cuda or cuda:N",
+            source=config.source,
+            where=f"{where} device",
+        )
 
 
 def longest_sequence(config: Config) -> int:
@@ -158,6 +180,9 @@ def check_job_inputs(
     if config.rollout.generator == "vllm":
         check_vllm_machine(config, machine_check, world_size, data_parallel)
     for index, section in enumerate(config.reward):
+        if section.model:
+            _check_reward_model(config, section, index, machine_check)
+            continue
         if section.function in BUILTINS:
             continue
         try:
@@ -207,3 +232,44 @@ def _check_tokenizer(
             source=config.source,
             where=tokenizer_key(config),
         )
+
+
+def _check_reward_model(
+    config: Config,
+    section: RewardSection,
+    index: int,
+    machine_check: Callable[[Callable[[], None]], None],
+) -> None:
+    """The directory, its head and its tokenizer (not its weights); and its device."""
+    import torch
+
+    from titan_learner.rewards.reward_model import reward_model_problem
+
+    where = f"[[reward]] #{index + 1}"
+    path = resolve(section.model, Path(config.source).parent)
+
+    def present() -> None:
+        if not path.exists():
+            raise ConfigError(
+                f"{path} not found; allowed: a Hugging Face reward model directory",
+                source=config.source,
+                where=f"{where} model",
+            )
+
+    machine_check(present)
+    if path.exists() and (problem := reward_model_problem(path)) is not None:
+        raise ConfigError(problem, source=config.source, where=f"{where} model")
+    if section.device.startswith("cuda"):
+        ordinal = int(section.device.partition(":")[2] or 0)
+        visible = torch.cuda.device_count()
+
+        def on_this_machine() -> None:
+            if ordinal >= visible:
+                raise ConfigError(
+                    f"{section.device!r} but this machine has {visible} CUDA device(s); "
+                    "allowed: learner, cpu, or a visible cuda:N",
+                    source=config.source,
+                    where=f"{where} device",
+                )
+
+        machine_check(on_this_machine)

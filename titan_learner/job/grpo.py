@@ -43,6 +43,8 @@ from titan_learner.rewards.runner import (
     Reward,
     build_rewards,
     close_rewards,
+    load_reward_state,
+    reward_state,
 )
 
 if TYPE_CHECKING:
@@ -419,7 +421,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     if resume and latest(checkpoints) is not None:
         if changes:
             say("resuming with changed: " + ", ".join(map(str, changes)), flush=True)
-        extra = {"data": loader.state_dict()}
+        extra = {"data": loader.state_dict(), **reward_state(inputs.rewards)}
         learner.load(
             checkpoints,
             extra=extra,
@@ -427,6 +429,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
             hyperparameters_from_config=touches_hyperparameters(changes),
         )
         loader.load_state_dict(extra["data"])
+        load_reward_state(inputs.rewards, extra)
         say(f"resumed from {latest(checkpoints)} (step {learner.step})", flush=True)
     elif resume:
         say(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
@@ -460,7 +463,7 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
             checkpoints,
             keep_latest_k=config.checkpoint.keep_latest_k,
             asynchronous=asynchronous,
-            extra={"data": loader.state_dict()},
+            extra={"data": loader.state_dict(), **reward_state(inputs.rewards)},
             local=local,
         )
 

@@ -10,7 +10,13 @@ import torch.distributed as dist
 from titan_learner.data.loader import Prompt
 from titan_learner.data.tokenizer import PromptTokenizer
 from titan_learner.job.collectives import gather_objects, gather_over, raise_everywhere
-from titan_learner.rewards.runner import Reward, Scores, check_error_fractions, score
+from titan_learner.rewards.runner import (
+    Reward,
+    Scores,
+    check_error_fractions,
+    score,
+    weighted_total,
+)
 
 
 def score_rollout(
@@ -19,12 +25,14 @@ def score_rollout(
     group: int,
     tokenizer: PromptTokenizer,
     rewards: Sequence[Reward],
+    learn: bool = True,
 ) -> tuple[list[str], list[Prompt], Scores | None]:
     """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
 
     A collective: every rank calls it (`rollout=None` on a rank with no prompts), so that a
     reward that fails on one rank raises on all of them instead of leaving them waiting, and a
-    reward's `max_error_fraction` is judged over the completions of every rank.
+    reward's `max_error_fraction` is judged over the completions of every rank. `learn`: the
+    running normalizers take in this step's scores (training) or only apply (evaluation).
     """
     texts = [tokenizer.decode(ids) for ids in rollout.completion_ids] if rollout else []
     owners = [p for p in prompts for _ in range(group)] if rollout else []
@@ -42,19 +50,49 @@ def score_rollout(
             error = err
     raise_everywhere(error)
     judge_error_fractions(rewards, scores)
+    normalize_scores(rewards, scores, learn)
     return texts, owners, scores
+
+
+def normalize_scores(rewards: Sequence[Reward], scores: Scores | None, learn: bool) -> None:
+    """`normalize = "running"` rewards: update their statistics with every rank's raw scores
+    (in rank order: the same statistics everywhere; a collective), then standardize this
+    rank's scores and recompute the weighted total."""
+    normalized = [r for r in rewards if r.normalizer is not None]
+    if not normalized:
+        return
+    if learn:
+        mine = {r.name: scores.per_reward[r.name].tolist() for r in normalized} if scores else {}
+        parts = gather_objects(mine, _world())
+        for reward in normalized:
+            reward.normalizer.update([v for part in parts for v in part.get(reward.name, [])])
+    if scores is None:
+        return
+    for reward in normalized:
+        scores.per_reward[reward.name] = reward.normalizer.apply(scores.per_reward[reward.name])
+    scores.total = weighted_total(rewards, scores.per_reward, len(scores.total))
+
+
+def _world():
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 def judge_error_fractions(rewards: Sequence[Reward], scores: Scores | None) -> None:
     """Each reward's failures over every rank's completions against its `max_error_fraction`:
     the same verdict on every rank (a collective)."""
-    world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-    check_error_fractions(rewards, gather_objects(scores.failures if scores else {}, world))
+    check_error_fractions(rewards, gather_objects(scores.failures if scores else {}, _world()))
 
 
 def reward_metrics(scores: Scores, group, device) -> dict[str, float]:
-    """Per reward: `reward/<name>_s`, the slowest rank's scoring time (a collective)."""
-    return {
-        f"reward/{name}_s": float(gather_over(torch.tensor([seconds]), group, device).max())
-        for name, seconds in scores.seconds.items()
-    }
+    """Per reward: `reward/<name>_s`, the slowest rank's scoring time, and for a reward model
+    `reward/<name>_truncated`, the pairs cut to max_length over every rank (a collective)."""
+    metrics = {}
+    for name, seconds in scores.seconds.items():
+        metrics[f"reward/{name}_s"] = float(
+            gather_over(torch.tensor([seconds]), group, device).max()
+        )
+    for name, count in scores.truncated.items():
+        metrics[f"reward/{name}_truncated"] = float(
+            gather_over(torch.tensor([float(count)]), group, device).sum()
+        )
+    return metrics

@@ -13,6 +13,7 @@ and first error.
 With `workers` > 0 (the default) a function runs over a pool of processes instead
 (rewards.pool), where a call that overruns its timeout is stopped by killing its worker; a
 function that cannot be pickled stays in this process, said once when the rewards are built.
+A reward model (rewards.reward_model) scores a whole step in batches, without per-call timeouts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import torch
 from titan_learner.config.schema import Config, RewardSection
 from titan_learner.rewards.builtins import BUILTINS, builtin
 from titan_learner.rewards.loading import load_function
+from titan_learner.rewards.normalize import RunningNorm
 from titan_learner.rewards.pool import RewardPool, picklable
+from titan_learner.rewards.reward_model import RewardModel, model_device
 
 _POLL_S = 0.01
 
@@ -42,16 +45,19 @@ class RewardError(RuntimeError):
 
 @dataclass(frozen=True)
 class Reward:
-    """One configured reward: a `function`, in this process or over a `pool` of processes."""
+    """One configured reward: a `function` (in this process, or over a `pool` of processes)
+    or a reward `model`; its scores standardized by `normalizer` where configured."""
 
     name: str
     spec: str
-    function: Callable[[str, str, dict], float]
+    function: Callable[[str, str, dict], float] | None
     weight: float
     timeout_s: float
     on_error: str
     max_error_fraction: float = 0.5
     pool: RewardPool | None = None
+    model: RewardModel | None = None
+    normalizer: RunningNorm | None = None
 
 
 @dataclass(frozen=True)
@@ -74,11 +80,15 @@ class Scores:
     messages: list[str] = field(default_factory=list)
     failures: dict[str, Failures] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    truncated: dict[str, int] = field(default_factory=dict)
+    """Reward models only: pairs cut to max_length."""
 
 
 def reward_name(section: RewardSection) -> str:
     if section.name:
         return section.name
+    if section.model:
+        return Path(section.model).name
     if section.function in BUILTINS:
         return section.function
     return section.function.rpartition(":")[2]
@@ -89,12 +99,39 @@ def default_workers() -> int:
 
 
 def build_rewards(config: Config, say: Callable[[str], None] = print) -> list[Reward]:
-    """The configured rewards, loaded (user functions imported) and ready to run; worker
-    processes start on first use. `say` tells of a function that stays in this process."""
+    """The configured rewards, loaded (user functions imported, reward models on their
+    device) and ready to run; worker processes start on first use. `say` tells of a function
+    that stays in this process."""
+    from titan_learner.config.validate import device_type
+
     base_dir = Path(config.source).parent
     rewards = []
     for section in config.reward:
         name = reward_name(section)
+        normalizer = RunningNorm() if section.normalize == "running" else None
+        if section.model:
+            path = Path(section.model)
+            device = model_device(section.device, device_type(config))
+            rewards.append(
+                Reward(
+                    name=name,
+                    spec=section.model,
+                    function=None,
+                    weight=section.weight,
+                    timeout_s=section.timeout_s,
+                    on_error=section.on_error,
+                    max_error_fraction=section.max_error_fraction,
+                    model=RewardModel(
+                        path if path.is_absolute() else base_dir / path,
+                        device,
+                        section.dtype,
+                        section.batch_size,
+                        section.max_length,
+                    ),
+                    normalizer=normalizer,
+                )
+            )
+            continue
         if section.function in BUILTINS:
             function = builtin(
                 section.function,
@@ -122,6 +159,7 @@ def build_rewards(config: Config, say: Callable[[str], None] = print) -> list[Re
                 on_error=section.on_error,
                 max_error_fraction=section.max_error_fraction,
                 pool=RewardPool(function, workers, name) if workers else None,
+                normalizer=normalizer,
             )
         )
     return rewards
@@ -185,9 +223,15 @@ def score(
     """Every reward on every completion; `origins[i]` names completion i's dataset row."""
     items = list(zip(prompts, completions, rows, strict=True))
     per_reward: dict[str, torch.Tensor] = {}
-    errors, messages, failures, seconds = 0, [], {}, {}
+    errors, messages, failures, seconds, truncated = 0, [], {}, {}, {}
     for reward in rewards:
         started = time.perf_counter()
+        if reward.model is not None:
+            scored = reward.model.score(prompts, completions)
+            per_reward[reward.name] = torch.tensor(scored.values, dtype=torch.float32)
+            truncated[reward.name] = scored.truncated
+            seconds[reward.name] = time.perf_counter() - started
+            continue
         values = torch.zeros(len(items), dtype=torch.float32)
         named, failed = f"reward '{reward.name}' ({reward.spec})", []
         outcomes = reward.pool.run(items, reward.timeout_s) if reward.pool else _run(reward, items)
@@ -206,7 +250,7 @@ def score(
         per_reward[reward.name] = values
         seconds[reward.name] = time.perf_counter() - started
     total = weighted_total(rewards, per_reward, len(items))
-    return Scores(total, per_reward, errors, messages, failures, seconds)
+    return Scores(total, per_reward, errors, messages, failures, seconds, truncated)
 
 
 def weighted_total(
@@ -242,3 +286,17 @@ def _problem(status: str, value: object) -> str | None:
     if not math.isfinite(float(value)):
         return f"returned {float(value)}, not a finite number"
     return None
+
+
+def reward_state(rewards: Sequence[Reward]) -> dict[str, dict[str, dict[str, float]]]:
+    """The running normalizers' statistics, for the checkpoint's `extra` (nothing without one,
+    so checkpoints of runs without them keep their layout)."""
+    state = {r.name: r.normalizer.state_dict() for r in rewards if r.normalizer is not None}
+    return {"reward_normalizers": state} if state else {}
+
+
+def load_reward_state(rewards: Sequence[Reward], extra: dict) -> None:
+    saved = extra.get("reward_normalizers", {})
+    for reward in rewards:
+        if reward.normalizer is not None:
+            reward.normalizer.load_state_dict(saved[reward.name])
