@@ -12,6 +12,7 @@ import torch
 
 from tests.support.hf_dirs import make_reward_model_dir, make_tokenizer, write_gsm8k_jsonl
 from tests.unit.test_job_inputs import train, write_config
+from titan_learner.cli import main
 from titan_learner.config.toml import config_from_dict
 from titan_learner.rewards.reward_model import RewardModel
 from titan_learner.rewards.runner import build_rewards, score
@@ -191,3 +192,19 @@ def test_a_bad_reward_model_is_one_line_before_any_compute(
         file.write(reward.format(root=bad_dirs) + "\n")
     err = train(capsys, config)
     assert message.format(root=bad_dirs) in err
+
+
+def test_check_accepts_a_reward_model_and_warns_when_it_is_elsewhere(tmp_path, capsys, reward_dir):
+    tokenizer = tmp_path / "tok"
+    make_tokenizer(tokenizer)
+    write_gsm8k_jsonl(tmp_path / "train.jsonl")
+    config = write_config(tmp_path, str(tokenizer))
+    with open(config, "a") as file:
+        file.write(f'[[reward]]\nmodel = "{reward_dir}"\nweight = 0.5\n')
+        file.write('[[reward]]\nmodel = "not-here/rm"\nname = "other"\n')
+    assert main(["check", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"warning: on this machine, [[reward]] #3 model: {tmp_path / 'not-here/rm'} not found"
+        in out
+    )
