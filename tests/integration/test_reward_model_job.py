@@ -2,7 +2,8 @@
 scores its own rows through the reward model's tokenizer and chat template, the total is the
 configured weighted sum, per-reward time and truncation are logged, and the running normalizer's
 statistics are saved in the checkpoint: a resumed run scores its next step as the uninterrupted
-run does."""
+run does. Sampling ahead of the learner, the rewards are computed in the rollout thread,
+alongside the update."""
 
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ def reward_model_runs(rank: int, root: str, model: dict) -> dict:
     results = {"straight": run(config_from_dict(tables("straight", 3), source))}
     run(config_from_dict(tables("resumed", 2), source))
     results["resumed"] = run(config_from_dict(tables("resumed", 3), source), resume=True)
+    ahead = tables("ahead", 3)
+    ahead["reward"] = [{"function": "math"}, {"function": "slow.py:score", "workers": 0}]
+    ahead["rollout"] |= {"max_off_policy_steps": 1, "stale_logprob_mismatch": False}
+    results["ahead"] = run(config_from_dict(ahead, source))
     return results
 
 
@@ -63,6 +68,9 @@ def runs(tmp_path_factory):
     model = make_model_dir(root / "llama")
     make_reward_model_dir(root / "reward-model")
     write_gsm8k_jsonl(root / "train.jsonl")
+    (root / "slow.py").write_text(
+        "import time\ndef score(prompt, completion, row):\n    time.sleep(0.25)\n    return 0.0\n"
+    )
     results = run_world(2, reward_model_runs, str(root), model)
     return root, results
 
@@ -106,3 +114,13 @@ def test_the_running_normalizer_resumes_from_the_checkpoint(runs):
     # normalized by the statistics of steps 1-2 plus step 3: the same only if they were restored
     assert resumed[0]["reward/rm_mean"] == pytest.approx(straight[2]["reward/rm_mean"], abs=1e-6)
     assert resumed[0]["reward_mean"] == pytest.approx(straight[2]["reward_mean"], abs=1e-6)
+
+
+def test_sampling_ahead_scores_in_the_rollout_thread(runs):
+    _, results = runs
+    history = results[0]["ahead"]
+    assert len(history) == 3
+    for metrics in history:
+        assert metrics["reward/score_s"] >= 4 * 0.25  # 4 completions a rank, one at a time
+        # what the step itself waited for: the scores were ready, only their collectives ran
+        assert metrics["reward_s"] < 0.5 * metrics["reward/score_s"]

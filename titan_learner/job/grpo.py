@@ -37,7 +37,7 @@ from titan_learner.job.collectives import (
     same_within_group,
 )
 from titan_learner.job.run_directory import Resume, RunDirectory
-from titan_learner.job.scoring import reward_metrics, score_rollout
+from titan_learner.job.scoring import Scored, reward_metrics, score_locally, score_rollout
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import (
     Reward,
@@ -192,6 +192,8 @@ class Sampled:
     rollout: Rollout
     mine: list[Prompt]
     seconds: float
+    scored: Scored | None = None
+    """Its rewards, computed in the rollout thread when it samples ahead (job.scoring)."""
 
 
 def sample(config: Config, learner, generator, prompts: list[Prompt], rng) -> Sampled:
@@ -245,7 +247,9 @@ def train_on(
     rollout, mine, rollout_s = sampled.rollout, sampled.mine, sampled.seconds
 
     start = time.perf_counter()
-    texts, owners, scores = score_rollout(rollout, mine, group, inputs.tokenizer, inputs.rewards)
+    texts, owners, scores = score_rollout(
+        rollout, mine, group, inputs.tokenizer, inputs.rewards, ahead=sampled.scored
+    )
     rewards = scores.total
     batch = rollout.to_batch(group_advantages(rewards, group), rewards)
     batch = same_within_group(batch, learner.tensor_parallel_group)
@@ -469,7 +473,16 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
 
     def take_sample(prompts: list[Prompt], step: int) -> Sampled:
         rng = sampling_rng(config.run.seed, step, learner.data_parallel_rank, learner.device)
-        return sample(config, learner, generator, prompts, rng)
+        sampled = sample(config, learner, generator, prompts, rng)
+        if config.rollout.max_off_policy_steps:  # in the rollout thread: overlaps the update
+            sampled.scored = score_locally(
+                sampled.rollout,
+                sampled.mine,
+                config.rollout.group_size,
+                inputs.tokenizer,
+                inputs.rewards,
+            )
+        return sampled
 
     rollouts = None
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,21 +20,26 @@ from titan_learner.rewards.runner import (
 )
 
 
-def score_rollout(
+@dataclass
+class Scored:
+    """A rollout's decoded completions, their prompts, and their scores or the error that
+    stopped the rewards: what `score_locally` computes, on this rank alone."""
+
+    texts: list[str]
+    owners: list[Prompt]
+    scores: Scores | None
+    error: Exception | None
+
+
+def score_locally(
     rollout,
     prompts: Sequence[Prompt],
     group: int,
     tokenizer: PromptTokenizer,
     rewards: Sequence[Reward],
-    learn: bool = True,
-) -> tuple[list[str], list[Prompt], Scores | None]:
-    """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
-
-    A collective: every rank calls it (`rollout=None` on a rank with no prompts), so that a
-    reward that fails on one rank raises on all of them instead of leaving them waiting, and a
-    reward's `max_error_fraction` is judged over the completions of every rank. `learn`: the
-    running normalizers take in this step's scores (training) or only apply (evaluation).
-    """
+) -> Scored:
+    """Decode and score this rank's completions, no collective: the rollout thread calls it
+    with `[rollout] max_off_policy_steps > 0`, so that scoring overlaps the update."""
     texts = [tokenizer.decode(ids) for ids in rollout.completion_ids] if rollout else []
     owners = [p for p in prompts for _ in range(group)] if rollout else []
     scores, error = None, None
@@ -48,10 +54,31 @@ def score_rollout(
             )
         except Exception as err:  # every rank must learn of it before the next collective
             error = err
-    raise_everywhere(error)
-    judge_error_fractions(rewards, scores)
-    normalize_scores(rewards, scores, learn)
-    return texts, owners, scores
+    return Scored(texts, owners, scores, error)
+
+
+def score_rollout(
+    rollout,
+    prompts: Sequence[Prompt],
+    group: int,
+    tokenizer: PromptTokenizer,
+    rewards: Sequence[Reward],
+    learn: bool = True,
+    ahead: Scored | None = None,
+) -> tuple[list[str], list[Prompt], Scores | None]:
+    """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
+
+    A collective: every rank calls it (`rollout=None` on a rank with no prompts), so that a
+    reward that fails on one rank raises on all of them instead of leaving them waiting, and a
+    reward's `max_error_fraction` is judged over the completions of every rank. `learn`: the
+    running normalizers take in this step's scores (training) or only apply (evaluation).
+    `ahead`: the rollout's `score_locally`, already computed in the rollout thread.
+    """
+    scored = ahead or score_locally(rollout, prompts, group, tokenizer, rewards)
+    raise_everywhere(scored.error)
+    judge_error_fractions(rewards, scored.scores)
+    normalize_scores(rewards, scored.scores, learn)
+    return scored.texts, scored.owners, scored.scores
 
 
 def normalize_scores(rewards: Sequence[Reward], scores: Scores | None, learn: bool) -> None:

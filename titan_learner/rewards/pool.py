@@ -17,6 +17,7 @@ import contextlib
 import multiprocessing
 import pickle
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -114,6 +115,8 @@ class RewardPool:
         self.size = workers
         self.name = name
         self.workers: list[_Worker] = []
+        # the job's rollout thread scores ahead while the main thread may score a restored step
+        self.lock = threading.Lock()
 
     def _spawn(self) -> _Worker:
         context = multiprocessing.get_context("spawn")
@@ -133,6 +136,10 @@ class RewardPool:
         return fresh
 
     def run(self, items: Sequence[tuple], timeout_s: float) -> dict[int, Result]:
+        with self.lock:
+            return self._run(items, timeout_s)
+
+    def _run(self, items: Sequence[tuple], timeout_s: float) -> dict[int, Result]:
         self.start()
         size = max(1, min(_MAX_CHUNK, -(-len(items) // (self.size * _CHUNKS_PER_WORKER))))
         queue = deque(
@@ -188,6 +195,10 @@ class RewardPool:
         self._replace(worker)
 
     def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
         for worker in self.workers:
             worker.stop()
         self.workers = []

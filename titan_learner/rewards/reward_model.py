@@ -11,6 +11,7 @@ completion and the template's closing tokens are what the score is about.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ class RewardModel:
         self.pad_id = self.model.config.pad_token_id
         self.batch_size = batch_size
         self.max_length = max_length
+        self.lock = threading.Lock()  # one caller at a time: the job may score from two threads
 
     def render(self, prompt: str, completion: str) -> str:
         messages = [
@@ -76,8 +78,12 @@ class RewardModel:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    @torch.inference_mode()
     def score(self, prompts: Sequence[str], completions: Sequence[str]) -> ModelScores:
+        with self.lock:
+            return self._score(prompts, completions)
+
+    @torch.inference_mode()
+    def _score(self, prompts: Sequence[str], completions: Sequence[str]) -> ModelScores:
         pairs = [self.ids(p, c) for p, c in zip(prompts, completions, strict=True)]
         values: list[float] = []
         for start in range(0, len(pairs), self.batch_size):
