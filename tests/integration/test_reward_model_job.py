@@ -55,6 +55,10 @@ def reward_model_runs(rank: int, root: str, model: dict) -> dict:
     results = {"straight": run(config_from_dict(tables("straight", 3), source))}
     run(config_from_dict(tables("resumed", 2), source))
     results["resumed"] = run(config_from_dict(tables("resumed", 3), source), resume=True)
+    plain = tables("added", 1)
+    plain["reward"] = [{**REWARDS[0], "normalize": "none"}, REWARDS[1]]
+    run(config_from_dict(plain, source))
+    results["added"] = run(config_from_dict(tables("added", 2), source), resume=True)
     ahead = tables("ahead", 3)
     ahead["reward"] = [{"function": "math"}, {"function": "slow.py:score", "workers": 0}]
     ahead["rollout"] |= {"max_off_policy_steps": 1, "stale_logprob_mismatch": False}
@@ -114,6 +118,13 @@ def test_the_running_normalizer_resumes_from_the_checkpoint(runs):
     # normalized by the statistics of steps 1-2 plus step 3: the same only if they were restored
     assert resumed[0]["reward/rm_mean"] == pytest.approx(straight[2]["reward/rm_mean"], abs=1e-6)
     assert resumed[0]["reward_mean"] == pytest.approx(straight[2]["reward_mean"], abs=1e-6)
+
+
+def test_a_normalizer_added_on_resume_starts_afresh(runs):
+    _, results = runs
+    [step_2] = results[0]["added"]
+    # step 2's scores standardized by their own statistics alone: mean 0 over every rank
+    assert step_2["reward/rm_mean"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_sampling_ahead_scores_in_the_rollout_thread(runs):

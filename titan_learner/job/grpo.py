@@ -396,7 +396,11 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     from titan_learner.job.evaluation import evaluate
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
-    from titan_learner.job.resume import check_resume, touches_hyperparameters
+    from titan_learner.job.resume import (
+        check_resume,
+        saved_normalizers,
+        touches_hyperparameters,
+    )
     from titan_learner.job.resume_model import check_resume_model
     from titan_learner.job.rollouts import make_rollouts, sync_points
     from titan_learner.job.run_directory import mark_finished
@@ -425,7 +429,8 @@ def _run(config: Config, resume: bool) -> list[dict[str, float]]:
     if resume and latest(checkpoints) is not None:
         if changes:
             say("resuming with changed: " + ", ".join(map(str, changes)), flush=True)
-        extra = {"data": loader.state_dict(), **reward_state(inputs.rewards)}
+        normalizers = saved_normalizers(checkpoints)
+        extra = {"data": loader.state_dict(), **reward_state(inputs.rewards, normalizers)}
         learner.load(
             checkpoints,
             extra=extra,

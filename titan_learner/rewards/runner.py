@@ -23,7 +23,7 @@ import numbers
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -288,15 +288,23 @@ def _problem(status: str, value: object) -> str | None:
     return None
 
 
-def reward_state(rewards: Sequence[Reward]) -> dict[str, dict[str, dict[str, float]]]:
-    """The running normalizers' statistics, for the checkpoint's `extra` (nothing without one,
-    so checkpoints of runs without them keep their layout)."""
-    state = {r.name: r.normalizer.state_dict() for r in rewards if r.normalizer is not None}
+def reward_state(
+    rewards: Sequence[Reward], names: Collection[str] | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
+    """The running normalizers' statistics (of the rewards `names`, when given), for the
+    checkpoint's `extra`; nothing without one, so checkpoints of runs without them keep their
+    layout."""
+    state = {
+        r.name: r.normalizer.state_dict()
+        for r in rewards
+        if r.normalizer is not None and (names is None or r.name in names)
+    }
     return {"reward_normalizers": state} if state else {}
 
 
 def load_reward_state(rewards: Sequence[Reward], extra: dict) -> None:
+    """The saved statistics into the normalizers; one the checkpoint lacks starts afresh."""
     saved = extra.get("reward_normalizers", {})
     for reward in rewards:
-        if reward.normalizer is not None:
+        if reward.normalizer is not None and reward.name in saved:
             reward.normalizer.load_state_dict(saved[reward.name])
