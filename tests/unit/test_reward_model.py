@@ -165,7 +165,7 @@ def bad_dirs(tmp_path_factory):
         ),
         (
             "[[reward]]\nweight = 2.0",
-            "[[reward]] #2: neither function nor model; allowed: exactly one",
+            "[[reward]] #2: none of function, model and judge; allowed: exactly one",
         ),
         (
             '[[reward]]\nmodel = "{root}/three"\ndevice = "gpu"',

@@ -197,14 +197,18 @@ class RewardSection:
     function: str = ""
     """A built-in (math, exact_match, regex) or a user function "file.py:name" /
     "package.module:name" with signature score(prompt: str, completion: str, row: dict) -> float.
-    Exactly one of function and model."""
+    Exactly one of function, model and judge."""
     model: str | None = None
     """A Hugging Face AutoModelForSequenceClassification directory (num_labels 1, its tokenizer
     with a chat template beside it): the prompt and the completion, as text, rendered through
-    its own chat template and scored in batches. Exactly one of function and model."""
+    its own chat template and scored in batches. Exactly one of function, model and judge."""
+    judge: dict[str, Any] = field(default_factory=dict)
+    """An LLM judge behind an OpenAI-compatible endpoint: { base_url, model, prompt (a .jinja
+    file: prompt, completion, answer, row), parse (a regex whose one group is the score),
+    temperature, max_tokens, concurrency, retries }; timeout_s bounds each request."""
     name: str | None = None
-    """Its name in the metrics (training/reward/<name>_mean); default: the function's, or the
-    model directory's name."""
+    """Its name in the metrics (training/reward/<name>_mean); default: the function's, the
+    model directory's name, or "judge"."""
     weight: float = 1.0
     timeout_s: float = field(default=10.0, metadata={"min": 0.001})
     on_error: Literal["raise", "zero"] = "raise"

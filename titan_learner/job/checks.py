@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from titan_learner.config.errors import ConfigError
+from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.schema import Config, RewardSection
 from titan_learner.data.errors import DataError
 from titan_learner.data.files import read_rows, resolve
@@ -88,18 +88,27 @@ _DEVICE = re.compile(r"learner|cpu|cuda(:\d+)?")
 
 
 def check_reward_kind(config: Config, section: RewardSection, where: str) -> None:
-    """Exactly one of function and model, and the keys of the kind given."""
-    if bool(section.function) == bool(section.model):
-        found = "both function and model" if section.function else "neither function nor model"
+    """Exactly one of function, model and judge, and the keys of the kind given."""
+    given = [k for k in ("function", "model", "judge") if getattr(section, k)]
+    if len(given) != 1:
+        found = {
+            0: "none of function, model and judge",
+            2: "both " + " and ".join(given),
+            3: "all of function, model and judge",
+        }[len(given)]
         raise ConfigError(
             f"{found}; allowed: exactly one, function = {' | '.join(map(repr, BUILTINS))} | "
-            "'file.py:function' or model = 'path/to/reward-model'",
+            "'file.py:function', model = 'path/to/reward-model' or judge = { base_url, model, "
+            "prompt, parse }",
             source=config.source,
             where=where,
         )
-    if section.model and section.workers is not None:
+    if section.judge:
+        check_judge(config, section.judge, f"{where} judge")
+    if not section.function and section.workers is not None:
         raise ConfigError(
-            "workers is for a function; allowed: batch_size and device for a reward model",
+            "workers is for a function; allowed: batch_size and device for a reward model, "
+            "judge.concurrency for a judge",
             source=config.source,
             where=f"{where} workers",
         )
@@ -109,6 +118,41 @@ def check_reward_kind(config: Config, section: RewardSection, where: str) -> Non
             source=config.source,
             where=f"{where} device",
         )
+
+
+def check_judge(config: Config, table: dict, where: str) -> None:
+    """The judge table's keys, their types, its URL and its parse pattern (one group)."""
+    from titan_learner.rewards.judge import JUDGE_KEYS, REQUIRED
+
+    def error(message: str, key: str = "") -> ConfigError:
+        return ConfigError(message, source=config.source, where=f"{where}.{key}" if key else where)
+
+    for key in table:
+        if key not in JUDGE_KEYS:
+            raise error(
+                f"unknown key {key!r}{did_you_mean(key, JUDGE_KEYS)}; allowed: "
+                + ", ".join(JUDGE_KEYS)
+            )
+    for key in REQUIRED:
+        if not isinstance(table.get(key), str) or not table[key]:
+            raise error(f"missing or not a string; allowed: {JUDGE_KEYS[key]}", key)
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", table["base_url"]):
+        raise error(f"{table['base_url']!r}; allowed: {JUDGE_KEYS['base_url']}", "base_url")
+    try:
+        groups = re.compile(table["parse"]).groups
+    except re.error as err:
+        raise error(f"{table['parse']!r} is not a regular expression ({err})", "parse") from None
+    if groups != 1:
+        raise error(f"{table['parse']!r} has {groups} groups; allowed: exactly one", "parse")
+    for key, low, kind in (
+        ("temperature", 0, (int, float)),
+        ("max_tokens", 1, int),
+        ("concurrency", 1, int),
+        ("retries", 0, int),
+    ):
+        value = table.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, kind) or value < low:
+            raise error(f"{value!r}; allowed: {JUDGE_KEYS[key]}", key)
 
 
 def longest_sequence(config: Config) -> int:
@@ -182,6 +226,9 @@ def check_job_inputs(
     for index, section in enumerate(config.reward):
         if section.model:
             _check_reward_model(config, section, index, machine_check)
+            continue
+        if section.judge:
+            _check_judge_prompt(config, section.judge["prompt"], index, machine_check)
             continue
         if section.function in BUILTINS:
             continue
@@ -273,3 +320,32 @@ def _check_reward_model(
                 )
 
         machine_check(on_this_machine)
+
+
+def _check_judge_prompt(
+    config: Config, prompt: str, index: int, machine_check: Callable[[Callable[[], None]], None]
+) -> None:
+    """The judge's template: present, and valid Jinja."""
+    import jinja2
+
+    where = f"[[reward]] #{index + 1} judge.prompt"
+    path = resolve(prompt, Path(config.source).parent)
+
+    def present() -> None:
+        if not path.is_file():
+            raise ConfigError(
+                f"{path} not found; allowed: a Jinja template file",
+                source=config.source,
+                where=where,
+            )
+
+    machine_check(present)
+    if path.is_file():
+        try:
+            jinja2.Environment().parse(path.read_text())
+        except jinja2.TemplateSyntaxError as err:
+            raise ConfigError(
+                f"{path}:{err.lineno}: not a Jinja template ({err.message})",
+                source=config.source,
+                where=where,
+            ) from None

@@ -315,6 +315,7 @@ def train_on(
             "completion": texts[i],
             "reward": float(rewards[i]),
             **{f"reward/{name}": float(v[i]) for name, v in scores.per_reward.items()},
+            **{f"reward/{name}_reply": r[i] for name, r in scores.replies.items()},
         }
         for i in range(0, len(texts), group)[:SAMPLES_PER_LOG]
     ]

@@ -31,6 +31,7 @@ import torch
 
 from titan_learner.config.schema import Config, RewardSection
 from titan_learner.rewards.builtins import BUILTINS, builtin
+from titan_learner.rewards.judge import Judge, judge_settings
 from titan_learner.rewards.loading import load_function
 from titan_learner.rewards.normalize import RunningNorm
 from titan_learner.rewards.pool import RewardPool, picklable
@@ -57,6 +58,7 @@ class Reward:
     max_error_fraction: float = 0.5
     pool: RewardPool | None = None
     model: RewardModel | None = None
+    judge: Judge | None = None
     normalizer: RunningNorm | None = None
 
 
@@ -82,6 +84,8 @@ class Scores:
     seconds: dict[str, float] = field(default_factory=dict)
     truncated: dict[str, int] = field(default_factory=dict)
     """Reward models only: pairs cut to max_length."""
+    replies: dict[str, list[str | None]] = field(default_factory=dict)
+    """Judges only: each completion's raw reply (None: no reply)."""
 
 
 def reward_name(section: RewardSection) -> str:
@@ -89,6 +93,8 @@ def reward_name(section: RewardSection) -> str:
         return section.name
     if section.model:
         return Path(section.model).name
+    if section.judge:
+        return "judge"
     if section.function in BUILTINS:
         return section.function
     return section.function.rpartition(":")[2]
@@ -128,6 +134,22 @@ def build_rewards(config: Config, say: Callable[[str], None] = print) -> list[Re
                         section.batch_size,
                         section.max_length,
                     ),
+                    normalizer=normalizer,
+                )
+            )
+            continue
+        if section.judge:
+            settings = judge_settings(section.judge)
+            rewards.append(
+                Reward(
+                    name=name,
+                    spec=f"judge {settings.model} at {settings.base_url}",
+                    function=None,
+                    weight=section.weight,
+                    timeout_s=section.timeout_s,
+                    on_error=section.on_error,
+                    max_error_fraction=section.max_error_fraction,
+                    judge=Judge(settings, base_dir, config.data.answer_key),
                     normalizer=normalizer,
                 )
             )
@@ -223,7 +245,7 @@ def score(
     """Every reward on every completion; `origins[i]` names completion i's dataset row."""
     items = list(zip(prompts, completions, rows, strict=True))
     per_reward: dict[str, torch.Tensor] = {}
-    errors, messages, failures, seconds, truncated = 0, [], {}, {}, {}
+    errors, messages, failures, seconds, truncated, replies = 0, [], {}, {}, {}, {}
     for reward in rewards:
         started = time.perf_counter()
         if reward.model is not None:
@@ -234,7 +256,12 @@ def score(
             continue
         values = torch.zeros(len(items), dtype=torch.float32)
         named, failed = f"reward '{reward.name}' ({reward.spec})", []
-        outcomes = reward.pool.run(items, reward.timeout_s) if reward.pool else _run(reward, items)
+        if reward.judge is not None:
+            outcomes, replies[reward.name] = reward.judge.run(items, reward.timeout_s)
+        elif reward.pool is not None:
+            outcomes = reward.pool.run(items, reward.timeout_s)
+        else:
+            outcomes = _run(reward, items)
         for index, (status, value) in sorted(outcomes.items()):
             problem = _problem(status, value)
             if problem is None:
@@ -250,7 +277,7 @@ def score(
         per_reward[reward.name] = values
         seconds[reward.name] = time.perf_counter() - started
     total = weighted_total(rewards, per_reward, len(items))
-    return Scores(total, per_reward, errors, messages, failures, seconds, truncated)
+    return Scores(total, per_reward, errors, messages, failures, seconds, truncated, replies)
 
 
 def weighted_total(
