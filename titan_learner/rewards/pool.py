@@ -128,12 +128,11 @@ class RewardPool:
             for worker in self.workers:
                 worker.ready()
 
-    def _replace(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: _Worker) -> None:
         worker.kill()
         fresh = self._spawn()
         fresh.ready()
         self.workers[self.workers.index(worker)] = fresh
-        return fresh
 
     def run(self, items: Sequence[tuple], timeout_s: float) -> dict[int, Result]:
         with self.lock:
@@ -147,42 +146,45 @@ class RewardPool:
         )
         results: dict[int, Result] = {}
         while queue or any(w.chunk for w in self.workers):
-            for worker in self.workers:
-                if not worker.chunk and queue:
-                    start, end = queue.popleft()
-                    worker.conn.send((start, list(items[start:end])))
-                    worker.chunk, worker.deadline = [start, end], time.monotonic() + timeout_s
-            busy = {w.conn: w for w in self.workers if w.chunk}
-            now = time.monotonic()
-            for conn in wait(
-                list(busy), timeout=max(0.0, min(w.deadline for w in busy.values()) - now)
-            ):
-                worker = busy[conn]
-                try:
-                    index, result = conn.recv()
-                except EOFError:  # the worker died (os._exit, a crash in native code)
-                    worker.process.join()
-                    self._lost(
-                        worker,
-                        queue,
-                        results,
-                        (
-                            "raised",
-                            f"the worker process died (exit code {worker.process.exitcode})",
-                        ),
-                    )
-                    continue
-                results[index] = result
-                worker.chunk[0], worker.deadline = index + 1, time.monotonic() + timeout_s
-                if worker.chunk[0] == worker.chunk[1]:
-                    worker.chunk = []
-            now = time.monotonic()
-            for worker in list(self.workers):
-                if worker.chunk and now > worker.deadline:
-                    self._lost(
-                        worker, queue, results, ("timed out", f"no result after {timeout_s:g} s")
-                    )
+            self._dispatch(items, queue, timeout_s)
+            self._collect(queue, results, timeout_s)
+            self._expire(queue, results, timeout_s)
         return results
+
+    def _dispatch(self, items: Sequence[tuple], queue: deque, timeout_s: float) -> None:
+        """A chunk to each idle worker; its first call's clock starts now."""
+        for worker in self.workers:
+            if not worker.chunk and queue:
+                start, end = queue.popleft()
+                worker.conn.send((start, list(items[start:end])))
+                worker.chunk, worker.deadline = [start, end], time.monotonic() + timeout_s
+
+    def _collect(self, queue: deque, results: dict[int, Result], timeout_s: float) -> None:
+        """The results that arrive before the nearest deadline; each restarts its worker's
+        clock for the next call of its chunk."""
+        busy = {w.conn: w for w in self.workers if w.chunk}
+        nearest = min(w.deadline for w in busy.values())
+        for conn in wait(list(busy), timeout=max(0.0, nearest - time.monotonic())):
+            worker = busy[conn]
+            try:
+                index, result = conn.recv()
+            except (EOFError, OSError):  # the worker died (os._exit, a crash in native code)
+                worker.process.join()
+                died = f"the worker process died (exit code {worker.process.exitcode})"
+                self._lost(worker, queue, results, ("raised", died))
+                continue
+            results[index] = result
+            worker.chunk[0], worker.deadline = index + 1, time.monotonic() + timeout_s
+            if worker.chunk[0] == worker.chunk[1]:
+                worker.chunk = []
+
+    def _expire(self, queue: deque, results: dict[int, Result], timeout_s: float) -> None:
+        """A worker whose call overran: the call timed out, the worker is replaced."""
+        now = time.monotonic()
+        for worker in list(self.workers):
+            if worker.chunk and now > worker.deadline:
+                late = ("timed out", f"no result after {timeout_s:g} s")
+                self._lost(worker, queue, results, late)
 
     def _lost(
         self, worker: _Worker, queue: deque, results: dict[int, Result], result: Result
