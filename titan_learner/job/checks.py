@@ -136,6 +136,9 @@ def check_judge(config: Config, table: dict, where: str) -> None:
     for key in REQUIRED:
         if not isinstance(table.get(key), str) or not table[key]:
             raise error(f"missing or not a string; allowed: {JUDGE_KEYS[key]}", key)
+    variable = table.get("api_key_env")
+    if variable is not None and not (isinstance(variable, str) and variable.isidentifier()):
+        raise error(f"{variable!r}; allowed: {JUDGE_KEYS['api_key_env']}", "api_key_env")
     if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", table["base_url"]):
         raise error(f"{table['base_url']!r}; allowed: {JUDGE_KEYS['base_url']}", "base_url")
     try:
@@ -228,7 +231,7 @@ def check_job_inputs(
             _check_reward_model(config, section, index, machine_check)
             continue
         if section.judge:
-            _check_judge_prompt(config, section.judge["prompt"], index, machine_check)
+            _check_judge_inputs(config, section.judge, index, machine_check)
             continue
         if section.function in BUILTINS:
             continue
@@ -322,14 +325,28 @@ def _check_reward_model(
         machine_check(on_this_machine)
 
 
-def _check_judge_prompt(
-    config: Config, prompt: str, index: int, machine_check: Callable[[Callable[[], None]], None]
+def _check_judge_inputs(
+    config: Config, table: dict, index: int, machine_check: Callable[[Callable[[], None]], None]
 ) -> None:
-    """The judge's template: present, and valid Jinja."""
+    """The judge's template (present, valid Jinja) and its token's environment variable."""
+    import os
+
     import jinja2
 
+    variable = table.get("api_key_env")
+
+    def token_set() -> None:
+        if variable and not os.environ.get(variable):
+            raise ConfigError(
+                f"the environment variable {variable} is not set (or empty); allowed: the "
+                "judge's bearer token in it",
+                source=config.source,
+                where=f"[[reward]] #{index + 1} judge.api_key_env",
+            )
+
+    machine_check(token_set)
     where = f"[[reward]] #{index + 1} judge.prompt"
-    path = resolve(prompt, Path(config.source).parent)
+    path = resolve(table["prompt"], Path(config.source).parent)
 
     def present() -> None:
         if not path.is_file():

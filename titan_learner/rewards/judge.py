@@ -4,7 +4,9 @@ expression with one group takes the score out of the reply.
 
 Requests run `concurrency` at a time in threads (they wait on the network, not the CPU). Each
 request gets `timeout_s` and at most `retries` more tries (connection errors, timeouts, 5xx),
-with a short backoff, so a judge that is down costs a bounded time per completion. A reply that
+with a short backoff, so a judge that is down costs a bounded time per completion. A token
+(`api_key_env`: a hosted API, vLLM's `--api-key`, `titan-learner serve`) is read from the
+environment, never from the config file. A reply that
 does not parse, or a request that still fails, is an error of that completion, handled by the
 reward's `on_error`; every raw reply is kept for samples.jsonl.
 """
@@ -12,6 +14,7 @@ reward's `on_error`; every raw reply is kept for samples.jsonl.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import urllib.error
@@ -30,6 +33,7 @@ JUDGE_KEYS = {
     "max_tokens": "an integer >= 1 (default 256)",
     "concurrency": "an integer >= 1 (default 8)",
     "retries": "an integer >= 0 (default 2)",
+    "api_key_env": "the name of an environment variable holding the endpoint's bearer token",
 }
 REQUIRED = ("base_url", "model", "prompt", "parse")
 _BACKOFF_S = 0.5
@@ -47,6 +51,7 @@ class JudgeSettings:
     max_tokens: int = 256
     concurrency: int = 8
     retries: int = 2
+    api_key_env: str | None = None
 
 
 class Judge:
@@ -63,6 +68,9 @@ class Judge:
         self.pattern = re.compile(settings.parse, re.DOTALL)
         self.answer_key = answer_key
         self.url = settings.base_url.rstrip("/") + "/chat/completions"
+        self.headers = {"Content-Type": "application/json"}
+        if settings.api_key_env:
+            self.headers["Authorization"] = f"Bearer {os.environ[settings.api_key_env]}"
 
     def run(
         self, items: Sequence[tuple[str, str, dict]], timeout_s: float
@@ -103,9 +111,7 @@ class Judge:
         for attempt in range(self.settings.retries + 1):
             if attempt:
                 time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
-            request = urllib.request.Request(
-                self.url, body, {"Content-Type": "application/json"}, method="POST"
-            )
+            request = urllib.request.Request(self.url, body, self.headers, method="POST")
             try:
                 with urllib.request.urlopen(request, timeout=timeout_s) as response:
                     answer = json.loads(response.read())
