@@ -135,3 +135,15 @@ def test_running_statistics_are_those_of_every_score_so_far():
     restored = RunningNorm()
     restored.load_state_dict(norm.state_dict())
     assert torch.equal(restored.apply(values), norm.apply(values))
+
+
+def test_a_pool_dropped_without_close_stops_its_workers(tmp_path):
+    import gc
+
+    rewards, _ = rewards_of(tmp_path, [{"function": "math", "workers": 2}])
+    run_score(rewards, ["\\boxed{72}", "5"])
+    processes = [worker.process for worker in rewards[0].pool.workers]
+    assert all(p.is_alive() for p in processes)
+    del rewards
+    gc.collect()
+    assert not any(p.is_alive() for p in processes)

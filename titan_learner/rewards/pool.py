@@ -19,6 +19,7 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -114,7 +115,9 @@ class RewardPool:
         self.files = _module_files(function)
         self.size = workers
         self.name = name
-        self.workers: list[_Worker] = []
+        self.workers: list[_Worker] = []  # one list for the pool's life (the finalizer's)
+        # a pool dropped without close() (a library user's) still stops its workers
+        weakref.finalize(self, _stop_all, self.workers)
         # the job's rollout thread scores ahead while the main thread may score a restored step
         self.lock = threading.Lock()
 
@@ -124,7 +127,7 @@ class RewardPool:
 
     def start(self) -> None:
         if not self.workers:
-            self.workers = [self._spawn() for _ in range(self.size)]
+            self.workers.extend(self._spawn() for _ in range(self.size))
             for worker in self.workers:
                 worker.ready()
 
@@ -201,6 +204,10 @@ class RewardPool:
             self._close()
 
     def _close(self) -> None:
-        for worker in self.workers:
-            worker.stop()
-        self.workers = []
+        _stop_all(self.workers)
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()
+    workers.clear()
