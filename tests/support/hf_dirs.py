@@ -124,3 +124,30 @@ def write_parquet(path: Path, rows: list[tuple[str, str]] = QUESTIONS) -> Path:
         pa.table({"question": [q for q, _ in rows], "answer": [a for _, a in rows]}), path
     )
     return path
+
+
+def make_reward_model_dir(directory: Path, num_labels: int = 1, head: str = "score") -> Path:
+    """A tiny random Llama reward model (`head` "score": AutoModelForSequenceClassification,
+    "lm": a causal LM) saved with save_pretrained beside its tokenizer (chat template included)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        LlamaConfig,
+    )
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(directory)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=num_labels,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    auto.from_config(config).save_pretrained(str(directory))
+    return directory

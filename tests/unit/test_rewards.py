@@ -201,3 +201,24 @@ def test_pass_at_k_on_constructed_cases():
     assert pass_at_k(4, 1, 4) == 1.0
     with pytest.raises(ValueError, match="pass@k needs"):
         pass_at_k(2, 3, 1)
+
+
+def test_the_readmes_reward_configs_pass_the_structure_checks():
+    """Every ```toml block of the README's rewards section parses and passes the checks of the
+    file alone (its paths and endpoints are examples, not on this machine)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from titan_learner.job.checks import check_reward_kind
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("### Rewards\n", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```toml\n(.*?)```", section, re.DOTALL)
+    kinds = set()
+    for block in blocks:
+        config = config_from_dict(tomllib.loads(block))
+        for index, reward in enumerate(config.reward):
+            check_reward_kind(config, reward, f"[[reward]] #{index + 1}")
+            kinds |= {k for k in ("function", "model", "judge") if getattr(reward, k)}
+    assert len(blocks) == 3 and kinds == {"function", "model", "judge"}

@@ -75,16 +75,22 @@ def engine_memory(config: Config, v: Validated) -> tuple[int, str | None]:
 
 def read_prompts(config: Config) -> int | None:
     """Train's own reading of the prompts where they and the tokenizer are on this machine:
-    how many overlong prompts it would skip; None where it cannot read them here."""
+    how many overlong prompts it would skip; None where it cannot read them here. The rewards
+    are not built (validate has checked them): a reward model's weights are not loaded."""
     from titan_learner.data.files import resolve
-    from titan_learner.data.tokenizer import tokenizer_dir
-    from titan_learner.job.grpo import read_inputs
+    from titan_learner.data.loader import load_prompts
+    from titan_learner.data.tokenizer import load_tokenizer, tokenizer_dir
 
     base = Path(config.source).parent
     files = [resolve(name, base) for name in (*config.data.train_files, *config.data.eval_files)]
     if not tokenizer_dir(config).is_dir() or not all(path.is_file() for path in files):
         return None
-    return read_inputs(config).skipped
+    tokenizer = load_tokenizer(config)
+    return sum(
+        load_prompts(config, tokenizer, names).skipped
+        for names in (config.data.train_files, config.data.eval_files)
+        if names
+    )
 
 
 def frozen_copies(config: Config) -> int:

@@ -298,9 +298,19 @@ class DataSection:
 class RewardSection:
     function: str = ""
     """A built-in (math, exact_match, regex) or a user function "file.py:name" /
-    "package.module:name" with signature score(prompt: str, completion: str, row: dict) -> float."""
+    "package.module:name" with signature score(prompt: str, completion: str, row: dict) -> float.
+    Exactly one of function, model and judge."""
+    model: str | None = None
+    """A Hugging Face AutoModelForSequenceClassification directory (num_labels 1, its tokenizer
+    with a chat template beside it): the prompt and the completion, as text, rendered through
+    its own chat template and scored in batches. Exactly one of function, model and judge."""
+    judge: dict[str, Any] = field(default_factory=dict)
+    """An LLM judge behind an OpenAI-compatible endpoint: { base_url, model, prompt (a .jinja
+    file: prompt, completion, answer, row), parse (a regex whose one group is the score),
+    temperature, max_tokens, concurrency, retries }; timeout_s bounds each request."""
     name: str | None = None
-    """Its name in the metrics (training/reward/<name>_mean); default: the function's."""
+    """Its name in the metrics (training/reward/<name>_mean); default: the function's, the
+    model directory's name, or "judge"."""
     weight: float = 1.0
     """Its weight in the completion's reward: the weighted sum of every [[reward]]."""
     timeout_s: float = field(default=10.0, metadata={"min": 0.001})
@@ -317,6 +327,22 @@ class RewardSection:
     """regex only: anywhere in the completion, or the whole completion."""
     credit: float = 1.0
     """regex only: the reward of a match (e.g. 0.1 for a format reward)."""
+    workers: int | None = field(default=None, metadata=NON_NEGATIVE)
+    """function only: processes that score completions in parallel, each call still timed out
+    (a worker that overruns is replaced); default min(8, cores); 0: in this process, in a
+    thread (a hung call is then abandoned, not stopped)."""
+    batch_size: int = field(default=8, metadata=POSITIVE)
+    """model only: completions per forward of the reward model."""
+    device: str = "learner"
+    """model only: learner (the learner's device on each rank), cpu, cuda or cuda:N."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """model only: the reward model's weights and compute dtype."""
+    max_length: int = field(default=1024, metadata={"min": 2})
+    """model only: tokens of a rendered (prompt, completion) pair; a longer one loses the start
+    of its prompt (counted in training/reward/<name>_truncated)."""
+    normalize: Literal["none", "running"] = "none"
+    """running: the score minus its running mean over every scored completion (all ranks), over
+    its running standard deviation; the statistics are kept in the checkpoint."""
 
 
 @dataclass

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from titan_learner.config.derived import longest_sequence
-from titan_learner.config.errors import ConfigError
-from titan_learner.config.schema import Config
+from titan_learner.config.errors import ConfigError, did_you_mean
+from titan_learner.config.schema import Config, RewardSection
 from titan_learner.data.errors import DataError
 from titan_learner.data.files import read_rows, resolve
 from titan_learner.job.vllm_checks import check_vllm_machine, check_vllm_structure
@@ -45,12 +45,7 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
     names: dict[str, int] = {}
     for index, section in enumerate(config.reward):
         where = f"[[reward]] #{index + 1}"
-        if not section.function:
-            raise ConfigError(
-                f"function is missing; allowed: {', '.join(BUILTINS)} or 'file.py:function'",
-                source=source,
-                where=where,
-            )
+        check_reward_kind(config, section, where)
         if section.function == "regex":
             if not section.pattern:
                 raise ConfigError("regex needs a pattern", source=source, where=f"{where} pattern")
@@ -112,6 +107,80 @@ def check_batch_shaping(config: Config) -> None:
             source=config.source,
             where="[rollout] overlong_buffer",
         )
+
+
+_DEVICE = re.compile(r"learner|cpu|cuda(:\d+)?")
+
+
+def check_reward_kind(config: Config, section: RewardSection, where: str) -> None:
+    """Exactly one of function, model and judge, and the keys of the kind given."""
+    given = [k for k in ("function", "model", "judge") if getattr(section, k)]
+    if len(given) != 1:
+        found = {
+            0: "none of function, model and judge",
+            2: "both " + " and ".join(given),
+            3: "all of function, model and judge",
+        }[len(given)]
+        raise ConfigError(
+            f"{found}; allowed: exactly one, function = {' | '.join(map(repr, BUILTINS))} | "
+            "'file.py:function', model = 'path/to/reward-model' or judge = { base_url, model, "
+            "prompt, parse }",
+            source=config.source,
+            where=where,
+        )
+    if section.judge:
+        check_judge(config, section.judge, f"{where} judge")
+    if not section.function and section.workers is not None:
+        raise ConfigError(
+            "workers is for a function; allowed: batch_size and device for a reward model, "
+            "judge.concurrency for a judge",
+            source=config.source,
+            where=f"{where} workers",
+        )
+    if section.model and not _DEVICE.fullmatch(section.device):
+        raise ConfigError(
+            f"{section.device!r}; allowed: learner, cpu, cuda or cuda:N",
+            source=config.source,
+            where=f"{where} device",
+        )
+
+
+def check_judge(config: Config, table: dict, where: str) -> None:
+    """The judge table's keys, their types, its URL and its parse pattern (one group)."""
+    from titan_learner.rewards.judge import JUDGE_KEYS, REQUIRED
+
+    def error(message: str, key: str = "") -> ConfigError:
+        return ConfigError(message, source=config.source, where=f"{where}.{key}" if key else where)
+
+    for key in table:
+        if key not in JUDGE_KEYS:
+            raise error(
+                f"unknown key {key!r}{did_you_mean(key, JUDGE_KEYS)}; allowed: "
+                + ", ".join(JUDGE_KEYS)
+            )
+    for key in REQUIRED:
+        if not isinstance(table.get(key), str) or not table[key]:
+            raise error(f"missing or not a string; allowed: {JUDGE_KEYS[key]}", key)
+    variable = table.get("api_key_env")
+    if variable is not None and not (isinstance(variable, str) and variable.isidentifier()):
+        raise error(f"{variable!r}; allowed: {JUDGE_KEYS['api_key_env']}", "api_key_env")
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", table["base_url"]):
+        raise error(f"{table['base_url']!r}; allowed: {JUDGE_KEYS['base_url']}", "base_url")
+    try:
+        groups = re.compile(table["parse"]).groups
+    except re.error as err:
+        raise error(f"{table['parse']!r} is not a regular expression ({err})", "parse") from None
+    if groups != 1:
+        raise error(f"{table['parse']!r} has {groups} groups; allowed: exactly one", "parse")
+    for key, low, kind in (
+        ("temperature", 0, (int, float)),
+        ("max_tokens", 1, int),
+        ("concurrency", 1, int),
+        ("retries", 0, int),
+    ):
+        value = table.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, kind) or value < low:
+            raise error(f"{value!r}; allowed: {JUDGE_KEYS[key]}", key)
 
 
 def check_sequence_length(config: Config, max_seq_len: int) -> None:
@@ -177,6 +246,12 @@ def check_job_inputs(
     if config.rollout.generator == "vllm":
         check_vllm_machine(config, machine_check, world_size, data_parallel)
     for index, section in enumerate(config.reward):
+        if section.model:
+            _check_reward_model(config, section, index, machine_check)
+            continue
+        if section.judge:
+            _check_judge_inputs(config, section.judge, index, machine_check)
+            continue
         if section.function in BUILTINS:
             continue
         try:
@@ -226,3 +301,87 @@ def _check_tokenizer(
             source=config.source,
             where=tokenizer_key(config),
         )
+
+
+def _check_reward_model(
+    config: Config,
+    section: RewardSection,
+    index: int,
+    machine_check: Callable[[Callable[[], None]], None],
+) -> None:
+    """The directory, its head and its tokenizer (not its weights); and its device."""
+    import torch
+
+    from titan_learner.rewards.reward_model import reward_model_problem
+
+    where = f"[[reward]] #{index + 1}"
+    path = resolve(section.model, Path(config.source).parent)
+
+    def present() -> None:
+        if not path.exists():
+            raise ConfigError(
+                f"{path} not found; allowed: a Hugging Face reward model directory",
+                source=config.source,
+                where=f"{where} model",
+            )
+
+    machine_check(present)
+    if path.exists() and (problem := reward_model_problem(path)) is not None:
+        raise ConfigError(problem, source=config.source, where=f"{where} model")
+    if section.device.startswith("cuda"):
+        ordinal = int(section.device.partition(":")[2] or 0)
+        visible = torch.cuda.device_count()
+
+        def on_this_machine() -> None:
+            if ordinal >= visible:
+                raise ConfigError(
+                    f"{section.device!r} but this machine has {visible} CUDA device(s); "
+                    "allowed: learner, cpu, or a visible cuda:N",
+                    source=config.source,
+                    where=f"{where} device",
+                )
+
+        machine_check(on_this_machine)
+
+
+def _check_judge_inputs(
+    config: Config, table: dict, index: int, machine_check: Callable[[Callable[[], None]], None]
+) -> None:
+    """The judge's template (present, valid Jinja) and its token's environment variable."""
+    import os
+
+    import jinja2
+
+    variable = table.get("api_key_env")
+
+    def token_set() -> None:
+        if variable and not os.environ.get(variable):
+            raise ConfigError(
+                f"the environment variable {variable} is not set (or empty); allowed: the "
+                "judge's bearer token in it",
+                source=config.source,
+                where=f"[[reward]] #{index + 1} judge.api_key_env",
+            )
+
+    machine_check(token_set)
+    where = f"[[reward]] #{index + 1} judge.prompt"
+    path = resolve(table["prompt"], Path(config.source).parent)
+
+    def present() -> None:
+        if not path.is_file():
+            raise ConfigError(
+                f"{path} not found; allowed: a Jinja template file",
+                source=config.source,
+                where=where,
+            )
+
+    machine_check(present)
+    if path.is_file():
+        try:
+            jinja2.Environment().parse(path.read_text())
+        except jinja2.TemplateSyntaxError as err:
+            raise ConfigError(
+                f"{path}:{err.lineno}: not a Jinja template ({err.message})",
+                source=config.source,
+                where=where,
+            ) from None

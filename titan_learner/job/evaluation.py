@@ -58,7 +58,7 @@ def evaluate(
             settings.temperature,
             rng,
         )
-    texts, _, scores = score_rollout(rollout, mine, k, tokenizer, rewards)
+    texts, _, scores = score_rollout(rollout, mine, k, tokenizer, rewards, learn=False)
     records = []
     for index, prompt in enumerate(mine):
         totals = scores.total[index * k : (index + 1) * k].tolist()

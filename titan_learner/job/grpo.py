@@ -46,12 +46,19 @@ from titan_learner.job.kl_reward import (
 from titan_learner.job.reward_shaping import shaped_rewards, without_truncated
 from titan_learner.job.run_directory import Resume, RunDirectory
 from titan_learner.job.sampled import Sampled, sync_generator
-from titan_learner.job.scoring import score_rollout
+from titan_learner.job.scoring import reward_metrics, score_locally, score_rollout
 from titan_learner.job.step_metrics import shaping_metrics
 from titan_learner.job.validate import validate
 from titan_learner.learner.batch import REF_LOG_PROBS_KEY
 from titan_learner.ranks import rank
-from titan_learner.rewards.runner import Reward, Scores, build_rewards
+from titan_learner.rewards.runner import (
+    Reward,
+    Scores,
+    build_rewards,
+    close_rewards,
+    load_reward_state,
+    reward_state,
+)
 from titan_learner.rollout.base import FINISHED_KEY
 
 if TYPE_CHECKING:
@@ -83,7 +90,7 @@ def read_inputs(config: Config) -> JobInputs:
         tokenizer=tokenizer,
         train=train.prompts,
         eval=held_out.prompts if held_out else [],
-        rewards=build_rewards(config),
+        rewards=build_rewards(config, say=print if rank() == 0 else lambda line: None),
         skipped=train.skipped + (held_out.skipped if held_out else 0),
     )
 
@@ -246,7 +253,7 @@ def train_on(
 
     start = time.perf_counter()
     texts, owners, scores = sampled.scored or score_rollout(
-        rollout, mine, group, inputs.tokenizer, inputs.rewards
+        rollout, mine, group, inputs.tokenizer, inputs.rewards, ahead=sampled.ahead
     )
     rewards = shaped_rewards(config, scores.total, rollout.completion_lengths)
     advantage = partial(
@@ -303,6 +310,7 @@ def train_on(
         reward_min=float(all_rewards.min()),
         reward_max=float(all_rewards.max()),
         **{f"reward/{name}_mean": float(values.mean()) for name, values in per_reward.items()},
+        **reward_metrics(scores, dp_group, device),
         reward_errors=float(errors.sum()),
         **rollout_metrics(shaped, advantages, lengths, finished > 0, group),
         **shaping_metrics(
@@ -329,6 +337,7 @@ def train_on(
             "completion": texts[i],
             "reward": float(scores.total[i]),
             **{f"reward/{name}": float(v[i]) for name, v in scores.per_reward.items()},
+            **{f"reward/{name}_reply": r[i] for name, r in scores.replies.items()},
         }
         for i in range(0, len(texts), group)[:SAMPLES_PER_LOG]
     ]
@@ -459,7 +468,11 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     from titan_learner.job.hf_exports import HFExports
     from titan_learner.job.preemption import PreemptionGuard
     from titan_learner.job.reference import ReferenceModel
-    from titan_learner.job.resume import check_resume, touches_hyperparameters
+    from titan_learner.job.resume import (
+        check_resume,
+        saved_normalizers,
+        touches_hyperparameters,
+    )
     from titan_learner.job.resume_model import check_resume_model
     from titan_learner.job.rollout_source import make_rollouts
     from titan_learner.job.rollouts import sync_points
@@ -484,7 +497,8 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     if resume and latest(checkpoints) is not None:
         if changes:
             say("resuming with changed: " + ", ".join(map(str, changes)), flush=True)
-        extra = {"data": loader.state_dict()}
+        normalizers = saved_normalizers(checkpoints)
+        extra = {"data": loader.state_dict(), **reward_state(inputs.rewards, normalizers)}
         learner.load(
             checkpoints,
             extra=extra,
@@ -492,6 +506,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
             hyperparameters_from_config=touches_hyperparameters(changes),
         )
         loader.load_state_dict(extra["data"])
+        load_reward_state(inputs.rewards, extra)
         say(f"resumed from {latest(checkpoints)} (step {learner.step})", flush=True)
     elif resume:
         say(f"no checkpoint in {checkpoints}: starting from step 0", flush=True)
@@ -538,7 +553,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
             checkpoints,
             keep_latest_k=config.checkpoint.keep_latest_k,
             asynchronous=asynchronous,
-            extra={"data": loader.state_dict()},
+            extra={"data": loader.state_dict(), **reward_state(inputs.rewards)},
             local=local,
         )
         if exports is not None and export:
@@ -547,7 +562,16 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     def take_sample(prompts: list[Prompt], step: int, attempt: int = 0) -> Sampled:
         rank, device = learner.data_parallel_rank, learner.device
         rng = sampling_rng(config.run.seed, step, rank, device, attempt)
-        return sample(config, learner, generator, prompts, rng)
+        sampled = sample(config, learner, generator, prompts, rng)
+        if config.rollout.max_off_policy_steps:  # in the rollout thread: overlaps the update
+            sampled.ahead = score_locally(
+                sampled.rollout,
+                sampled.mine,
+                config.rollout.group_size,
+                inputs.tokenizer,
+                inputs.rewards,
+            )
+        return sampled
 
     def score(sampled: Sampled) -> tuple[list[str], list[Prompt], Scores]:
         group = config.rollout.group_size
@@ -627,6 +651,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     finally:
         if callable(getattr(generator, "close", None)):
             generator.close()  # a vLLM engine's processes
+        close_rewards(inputs.rewards)  # their worker processes
     plot = telemetry.close()
     if plot is not None:
         say(f"curves: {plot}", flush=True)

@@ -74,6 +74,17 @@ def check_resume(checkpoints: Path, config: Config) -> list[Change]:
     return changes
 
 
+def saved_normalizers(checkpoints: Path) -> set[str] | None:
+    """The rewards whose running statistics the checkpoint holds (`normalize = "running"` in
+    the config it saved): a normalizer added on resume starts afresh. None: not known."""
+    from titan_learner.rewards.runner import reward_name
+
+    saved = checkpoints / RESOLVED_CONFIG
+    if not saved.is_file():
+        return None
+    return {reward_name(s) for s in load_config(saved).reward if s.normalize == "running"}
+
+
 def touches_hyperparameters(changes: list[Change]) -> bool:
     """Whether the optimizer's or the loss's settings changed (they are in the checkpoint)."""
     return any(c.key.startswith(("optimizer.", "loss.")) for c in changes)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from titan_learner.data.loader import Prompt
+    from titan_learner.job.scoring import Scored
     from titan_learner.rewards.runner import Scores
     from titan_learner.rollout.base import Rollout
 
@@ -27,6 +28,9 @@ class Sampled:
     seconds: float
     scored: tuple[list[str], list[Prompt], Scores] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    ahead: Scored | None = None
+    """Its rewards on this rank alone, computed in the rollout thread when it samples ahead
+    (`job.scoring.score_locally`); the step's collectives still run on them."""
 
 
 def sync_generator(learner, generator) -> None:

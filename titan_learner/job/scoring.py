@@ -3,28 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from titan_learner.data.loader import Prompt
 from titan_learner.data.tokenizer import PromptTokenizer
-from titan_learner.job.collectives import gather_objects, raise_everywhere
-from titan_learner.rewards.runner import Reward, Scores, check_error_fractions, score
+from titan_learner.job.collectives import gather_objects, gather_over, raise_everywhere
+from titan_learner.rewards.runner import (
+    Reward,
+    Scores,
+    check_error_fractions,
+    score,
+    weighted_total,
+)
 
 
-def score_rollout(
+@dataclass
+class Scored:
+    """A rollout's decoded completions, their prompts, and their scores or the error that
+    stopped the rewards: what `score_locally` computes, on this rank alone."""
+
+    texts: list[str]
+    owners: list[Prompt]
+    scores: Scores | None
+    error: Exception | None
+
+
+def score_locally(
     rollout,
     prompts: Sequence[Prompt],
     group: int,
     tokenizer: PromptTokenizer,
     rewards: Sequence[Reward],
-) -> tuple[list[str], list[Prompt], Scores | None]:
-    """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
-
-    A collective: every rank calls it (`rollout=None` on a rank with no prompts), so that a
-    reward that fails on one rank raises on all of them instead of leaving them waiting, and a
-    reward's `max_error_fraction` is judged over the completions of every rank.
-    """
+) -> Scored:
+    """Decode and score this rank's completions, no collective: the rollout thread calls it
+    with `[rollout] max_off_policy_steps > 0`, so that scoring overlaps the update."""
     texts = [tokenizer.decode(ids) for ids in rollout.completion_ids] if rollout else []
     owners = [p for p in prompts for _ in range(group)] if rollout else []
     scores, error = None, None
@@ -39,13 +54,72 @@ def score_rollout(
             )
         except Exception as err:  # every rank must learn of it before the next collective
             error = err
-    raise_everywhere(error)
-    judge_error_fractions(rewards, scores)
-    return texts, owners, scores
+    return Scored(texts, owners, scores, error)
+
+
+def score_rollout(
+    rollout,
+    prompts: Sequence[Prompt],
+    group: int,
+    tokenizer: PromptTokenizer,
+    rewards: Sequence[Reward],
+    learn: bool = True,
+    ahead: Scored | None = None,
+) -> tuple[list[str], list[Prompt], Scores | None]:
+    """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
+
+    A collective: every rank calls it (`rollout=None` on a rank with no prompts), so that a
+    reward that fails on one rank raises on all of them instead of leaving them waiting, and a
+    reward's `max_error_fraction` is judged over the completions of every rank. `learn`: the
+    running normalizers take in this step's scores (training) or only apply (evaluation).
+    `ahead`: the rollout's `score_locally`, already computed in the rollout thread.
+    """
+    scored = ahead or score_locally(rollout, prompts, group, tokenizer, rewards)
+    raise_everywhere(scored.error)
+    judge_error_fractions(rewards, scored.scores)
+    normalize_scores(rewards, scored.scores, learn)
+    return scored.texts, scored.owners, scored.scores
+
+
+def normalize_scores(rewards: Sequence[Reward], scores: Scores | None, learn: bool) -> None:
+    """`normalize = "running"` rewards: update their statistics with every rank's raw scores
+    (in rank order: the same statistics everywhere; a collective), then standardize this
+    rank's scores and recompute the weighted total."""
+    normalized = [r for r in rewards if r.normalizer is not None]
+    if not normalized:
+        return
+    if learn:
+        mine = {r.name: scores.per_reward[r.name].tolist() for r in normalized} if scores else {}
+        parts = gather_objects(mine, _world())
+        for reward in normalized:
+            reward.normalizer.update([v for part in parts for v in part.get(reward.name, [])])
+    if scores is None:
+        return
+    for reward in normalized:
+        scores.per_reward[reward.name] = reward.normalizer.apply(scores.per_reward[reward.name])
+    scores.total = weighted_total(rewards, scores.per_reward, len(scores.total))
+
+
+def _world():
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 def judge_error_fractions(rewards: Sequence[Reward], scores: Scores | None) -> None:
     """Each reward's failures over every rank's completions against its `max_error_fraction`:
     the same verdict on every rank (a collective)."""
-    world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-    check_error_fractions(rewards, gather_objects(scores.failures if scores else {}, world))
+    check_error_fractions(rewards, gather_objects(scores.failures if scores else {}, _world()))
+
+
+def reward_metrics(scores: Scores, group, device) -> dict[str, float]:
+    """Per reward: `reward/<name>_s`, the slowest rank's scoring time, and for a reward model
+    `reward/<name>_truncated`, the pairs cut to max_length over every rank (a collective)."""
+    metrics = {}
+    for name, seconds in scores.seconds.items():
+        metrics[f"reward/{name}_s"] = float(
+            gather_over(torch.tensor([seconds]), group, device).max()
+        )
+    for name, count in scores.truncated.items():
+        metrics[f"reward/{name}_truncated"] = float(
+            gather_over(torch.tensor([float(count)]), group, device).sum()
+        )
+    return metrics

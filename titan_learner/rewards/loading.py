@@ -11,6 +11,9 @@ from pathlib import Path
 
 from titan_learner.rewards.builtins import BUILTINS
 
+FILE_MODULE_PREFIX = "titan_learner_reward_"
+"""Reward files are loaded as modules named this plus a hash of their path."""
+
 
 class RewardLoadError(ValueError):
     """A reward function that cannot be loaded: what was asked for and what is wrong."""
@@ -51,17 +54,23 @@ def load_function(spec: str, base_dir: Path) -> Callable:
 def _load_file(path: Path, spec: str):
     if not path.is_file():
         raise RewardLoadError(f"{spec!r}: file {path} not found")
-    module_name = f"titan_learner_reward_{abs(hash(str(path.resolve())))}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    loader_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(loader_spec)
+    module_name = f"{FILE_MODULE_PREFIX}{abs(hash(str(path.resolve())))}"
     try:
-        loader_spec.loader.exec_module(module)
+        return load_module_file(module_name, str(path))
     except Exception as err:
         raise RewardLoadError(
             f"{spec!r}: running {path} failed: {type(err).__name__}: {err}"
         ) from None
+
+
+def load_module_file(module_name: str, path: str):
+    """The module of a reward file, under the name its functions pickle by (a reward worker
+    loads it under the same name before it unpickles one)."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
     sys.modules[module_name] = module
     return module
 

@@ -9,15 +9,21 @@ and what happened; with "zero" the completion scores 0 for that reward and the e
 unless more than `max_error_fraction` of a step's completions (over every rank,
 `check_error_fractions`) fail: a reward broken on every row stops the job too, with its count
 and first error.
+
+With `workers` > 0 (the default) a function runs over a pool of processes instead
+(rewards.pool), where a call that overruns its timeout is stopped by killing its worker; a
+function that cannot be pickled stays in this process, said once when the rewards are built.
+A reward model (rewards.reward_model) scores a whole step in batches, without per-call timeouts.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +31,11 @@ import torch
 
 from titan_learner.config.schema import Config, RewardSection
 from titan_learner.rewards.builtins import BUILTINS, builtin
+from titan_learner.rewards.judge import Judge, judge_settings
 from titan_learner.rewards.loading import load_function
+from titan_learner.rewards.normalize import RunningNorm
+from titan_learner.rewards.pool import RewardPool, picklable
+from titan_learner.rewards.reward_model import RewardModel, model_device
 
 _POLL_S = 0.01
 
@@ -36,13 +46,20 @@ class RewardError(RuntimeError):
 
 @dataclass(frozen=True)
 class Reward:
+    """One configured reward: a `function` (in this process, or over a `pool` of processes)
+    or a reward `model`; its scores standardized by `normalizer` where configured."""
+
     name: str
     spec: str
-    function: Callable[[str, str, dict], float]
+    function: Callable[[str, str, dict], float] | None
     weight: float
     timeout_s: float
     on_error: str
     max_error_fraction: float = 0.5
+    pool: RewardPool | None = None
+    model: RewardModel | None = None
+    judge: Judge | None = None
+    normalizer: RunningNorm | None = None
 
 
 @dataclass(frozen=True)
@@ -64,21 +81,79 @@ class Scores:
     errors: int
     messages: list[str] = field(default_factory=list)
     failures: dict[str, Failures] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    truncated: dict[str, int] = field(default_factory=dict)
+    """Reward models only: pairs cut to max_length."""
+    replies: dict[str, list[str | None]] = field(default_factory=dict)
+    """Judges only: each completion's raw reply (None: no reply)."""
 
 
 def reward_name(section: RewardSection) -> str:
     if section.name:
         return section.name
+    if section.model:
+        return Path(section.model).name
+    if section.judge:
+        return "judge"
     if section.function in BUILTINS:
         return section.function
     return section.function.rpartition(":")[2]
 
 
-def build_rewards(config: Config) -> list[Reward]:
-    """The configured rewards, loaded (user functions imported) and ready to run."""
+def default_workers() -> int:
+    return min(8, len(os.sched_getaffinity(0)))
+
+
+def build_rewards(config: Config, say: Callable[[str], None] = print) -> list[Reward]:
+    """The configured rewards, loaded (user functions imported, reward models on their
+    device) and ready to run; worker processes start on first use. `say` tells of a function
+    that stays in this process."""
+    from titan_learner.config.validate import device_type
+
     base_dir = Path(config.source).parent
     rewards = []
     for section in config.reward:
+        name = reward_name(section)
+        normalizer = RunningNorm() if section.normalize == "running" else None
+        if section.model:
+            path = Path(section.model)
+            device = model_device(section.device, device_type(config))
+            rewards.append(
+                Reward(
+                    name=name,
+                    spec=section.model,
+                    function=None,
+                    weight=section.weight,
+                    timeout_s=section.timeout_s,
+                    on_error=section.on_error,
+                    max_error_fraction=section.max_error_fraction,
+                    model=RewardModel(
+                        path if path.is_absolute() else base_dir / path,
+                        device,
+                        section.dtype,
+                        section.batch_size,
+                        section.max_length,
+                    ),
+                    normalizer=normalizer,
+                )
+            )
+            continue
+        if section.judge:
+            settings = judge_settings(section.judge)
+            rewards.append(
+                Reward(
+                    name=name,
+                    spec=f"judge {settings.model} at {settings.base_url}",
+                    function=None,
+                    weight=section.weight,
+                    timeout_s=section.timeout_s,
+                    on_error=section.on_error,
+                    max_error_fraction=section.max_error_fraction,
+                    judge=Judge(settings, base_dir, config.data.answer_key),
+                    normalizer=normalizer,
+                )
+            )
+            continue
         if section.function in BUILTINS:
             function = builtin(
                 section.function,
@@ -89,18 +164,34 @@ def build_rewards(config: Config) -> list[Reward]:
             )
         else:
             function = load_function(section.function, base_dir)
+        workers = default_workers() if section.workers is None else section.workers
+        if workers and not picklable(function):
+            say(
+                f"reward '{name}' ({section.function}) cannot be pickled for worker processes: "
+                "it runs in this process, one completion at a time"
+            )
+            workers = 0
         rewards.append(
             Reward(
-                name=reward_name(section),
+                name=name,
                 spec=section.function,
                 function=function,
                 weight=section.weight,
                 timeout_s=section.timeout_s,
                 on_error=section.on_error,
                 max_error_fraction=section.max_error_fraction,
+                pool=RewardPool(function, workers, name) if workers else None,
+                normalizer=normalizer,
             )
         )
     return rewards
+
+
+def close_rewards(rewards: Sequence[Reward]) -> None:
+    """Stop the rewards' worker processes (a later `score` would start them again)."""
+    for reward in rewards:
+        if reward.pool is not None:
+            reward.pool.close()
 
 
 class _Batch:
@@ -153,13 +244,25 @@ def score(
 ) -> Scores:
     """Every reward on every completion; `origins[i]` names completion i's dataset row."""
     items = list(zip(prompts, completions, rows, strict=True))
-    total = torch.zeros(len(items), dtype=torch.float32)
     per_reward: dict[str, torch.Tensor] = {}
-    errors, messages, failures = 0, [], {}
+    errors, messages, failures, seconds, truncated, replies = 0, [], {}, {}, {}, {}
     for reward in rewards:
+        started = time.perf_counter()
+        if reward.model is not None:
+            scored = reward.model.score(prompts, completions)
+            per_reward[reward.name] = torch.tensor(scored.values, dtype=torch.float32)
+            truncated[reward.name] = scored.truncated
+            seconds[reward.name] = time.perf_counter() - started
+            continue
         values = torch.zeros(len(items), dtype=torch.float32)
         named, failed = f"reward '{reward.name}' ({reward.spec})", []
-        for index, (status, value) in sorted(_run(reward, items).items()):
+        if reward.judge is not None:
+            outcomes, replies[reward.name] = reward.judge.run(items, reward.timeout_s)
+        elif reward.pool is not None:
+            outcomes = reward.pool.run(items, reward.timeout_s)
+        else:
+            outcomes = _run(reward, items)
+        for index, (status, value) in sorted(outcomes.items()):
             problem = _problem(status, value)
             if problem is None:
                 values[index] = float(value)  # type: ignore[arg-type]
@@ -172,8 +275,18 @@ def score(
         errors += len(failed)
         messages += failed
         per_reward[reward.name] = values
-        total += reward.weight * values
-    return Scores(total, per_reward, errors, messages, failures)
+        seconds[reward.name] = time.perf_counter() - started
+    total = weighted_total(rewards, per_reward, len(items))
+    return Scores(total, per_reward, errors, messages, failures, seconds, truncated, replies)
+
+
+def weighted_total(
+    rewards: Sequence[Reward], per_reward: dict[str, torch.Tensor], count: int
+) -> torch.Tensor:
+    total = torch.zeros(count, dtype=torch.float32)
+    for reward in rewards:
+        total += reward.weight * per_reward[reward.name]
+    return total
 
 
 def check_error_fractions(rewards: Sequence[Reward], parts: Sequence[dict[str, Failures]]) -> None:
@@ -200,3 +313,25 @@ def _problem(status: str, value: object) -> str | None:
     if not math.isfinite(float(value)):
         return f"returned {float(value)}, not a finite number"
     return None
+
+
+def reward_state(
+    rewards: Sequence[Reward], names: Collection[str] | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
+    """The running normalizers' statistics (of the rewards `names`, when given), for the
+    checkpoint's `extra`; nothing without one, so checkpoints of runs without them keep their
+    layout."""
+    state = {
+        r.name: r.normalizer.state_dict()
+        for r in rewards
+        if r.normalizer is not None and (names is None or r.name in names)
+    }
+    return {"reward_normalizers": state} if state else {}
+
+
+def load_reward_state(rewards: Sequence[Reward], extra: dict) -> None:
+    """The saved statistics into the normalizers; one the checkpoint lacks starts afresh."""
+    saved = extra.get("reward_normalizers", {})
+    for reward in rewards:
+        if reward.normalizer is not None and reward.name in saved:
+            reward.normalizer.load_state_dict(saved[reward.name])
