@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,83 +109,66 @@ def build_rewards(config: Config, say: Callable[[str], None] = print) -> list[Re
     """The configured rewards, loaded (user functions imported, reward models on their
     device) and ready to run; worker processes start on first use. `say` tells of a function
     that stays in this process."""
-    from titan_learner.config.validate import device_type
-
     base_dir = Path(config.source).parent
     rewards = []
     for section in config.reward:
         name = reward_name(section)
-        normalizer = RunningNorm() if section.normalize == "running" else None
-        if section.model:
-            path = Path(section.model)
-            device = model_device(section.device, device_type(config))
-            rewards.append(
-                Reward(
-                    name=name,
-                    spec=section.model,
-                    function=None,
-                    weight=section.weight,
-                    timeout_s=section.timeout_s,
-                    on_error=section.on_error,
-                    max_error_fraction=section.max_error_fraction,
-                    model=RewardModel(
-                        path if path.is_absolute() else base_dir / path,
-                        device,
-                        section.dtype,
-                        section.batch_size,
-                        section.max_length,
-                    ),
-                    normalizer=normalizer,
-                )
-            )
-            continue
-        if section.judge:
-            settings = judge_settings(section.judge)
-            rewards.append(
-                Reward(
-                    name=name,
-                    spec=f"judge {settings.model} at {settings.base_url}",
-                    function=None,
-                    weight=section.weight,
-                    timeout_s=section.timeout_s,
-                    on_error=section.on_error,
-                    max_error_fraction=section.max_error_fraction,
-                    judge=Judge(settings, base_dir, config.data.answer_key),
-                    normalizer=normalizer,
-                )
-            )
-            continue
-        if section.function in BUILTINS:
-            function = builtin(
-                section.function,
-                answer_key=config.data.answer_key,
-                pattern=section.pattern,
-                mode=section.mode,
-                credit=section.credit,
-            )
-        else:
-            function = load_function(section.function, base_dir)
-        workers = default_workers() if section.workers is None else section.workers
-        if workers and not picklable(function):
-            say(
-                f"reward '{name}' ({section.function}) cannot be pickled for worker processes: "
-                "it runs in this process, one completion at a time"
-            )
-            workers = 0
+        spec, scorer = _scorer(config, section, name, base_dir, say)
         rewards.append(
             Reward(
                 name=name,
-                spec=section.function,
-                function=function,
+                spec=spec,
                 weight=section.weight,
                 timeout_s=section.timeout_s,
                 on_error=section.on_error,
                 max_error_fraction=section.max_error_fraction,
-                pool=RewardPool(function, workers, name) if workers else None,
-                normalizer=normalizer,
+                normalizer=RunningNorm() if section.normalize == "running" else None,
+                **scorer,
             )
         )
     return rewards
+
+
+def _scorer(
+    config: Config, section: RewardSection, name: str, base_dir: Path, say: Callable[[str], None]
+) -> tuple[str, dict[str, Any]]:
+    """What scores one [[reward]] (its spec, and the Reward fields of its kind): a reward
+    model, a judge, or a function (built-in or the user's), over worker processes."""
+    from titan_learner.config.validate import device_type
+
+    if section.model:
+        path = Path(section.model)
+        model = RewardModel(
+            path if path.is_absolute() else base_dir / path,
+            model_device(section.device, device_type(config)),
+            section.dtype,
+            section.batch_size,
+            section.max_length,
+        )
+        return section.model, {"function": None, "model": model}
+    if section.judge:
+        settings = judge_settings(section.judge)
+        judge = Judge(settings, base_dir, config.data.answer_key)
+        return f"judge {settings.model} at {settings.base_url}", {"function": None, "judge": judge}
+    if section.function in BUILTINS:
+        function = builtin(
+            section.function,
+            answer_key=config.data.answer_key,
+            pattern=section.pattern,
+            mode=section.mode,
+            credit=section.credit,
+        )
+    else:
+        function = load_function(section.function, base_dir)
+    workers = default_workers() if section.workers is None else section.workers
+    if workers and not picklable(function):
+        say(
+            f"reward '{name}' ({section.function}) cannot be pickled for worker processes: "
+            "it runs in this process, one completion at a time"
+        )
+        workers = 0
+    pool = RewardPool(function, workers, name) if workers else None
+    return section.function, {"function": function, "pool": pool}
 
 
 def close_rewards(rewards: Sequence[Reward]) -> None:
