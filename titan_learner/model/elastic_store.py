@@ -1,4 +1,5 @@
-"""A restarted torchrun worker group forms its process group in a key space of its own.
+"""A process group on a store of our own: a restarted torchrun worker group in a key space of
+its own, and a world of one without a launcher on a port no other process can take first.
 
 torchrun (torch 2.13) shares its rendezvous store with the workers it starts
 (`TORCHELASTIC_USE_AGENT_STORE=True`) and keeps it across the restarts of `--max-restarts`, but
@@ -28,7 +29,16 @@ def restarted_group_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"titan_learner/restart-{restarts}/", agent)
 
 
-def init_restarted_group(device_type: str, store: dist.Store, timeout: timedelta) -> None:
+def single_process_store(timeout: timedelta) -> dist.Store:
+    """The store of a world of one that no launcher set up, on a port the OS picks as it binds
+    it: a port probed first and bound later can be taken in between by another process (seen
+    in CI: EADDRINUSE). Its port goes to MASTER_PORT for whoever reads it."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)
+    return store
+
+
+def init_group_on_store(device_type: str, store: dist.Store, timeout: timedelta) -> None:
     """What TorchTitan's `init_distributed` does, on `store`: autograd without worker threads
     (its AC and DTensor code read the device mesh from thread-local state), then the default
     group with the device's backend (gloo on CPU, NCCL on CUDA). The NCCL flight-recorder

@@ -71,26 +71,31 @@ def ac_config(config: Config):
 
 def init_process_group(device_type: str) -> int:
     """Join (or form) the default process group: NCCL on CUDA, gloo on CPU. Returns the rank.
-    A worker group torchrun restarted forms it apart from the dead one's (model.elastic_store)."""
+    A worker group torchrun restarted forms it apart from the dead one's, and a world of one
+    without a launcher on its own store (model.elastic_store)."""
     from datetime import timedelta
 
     from torchtitan.config import CommConfig
     from torchtitan.distributed.utils import init_distributed
 
-    from titan_learner.model.elastic_store import init_restarted_group, restarted_group_store
+    from titan_learner.model.elastic_store import (
+        init_group_on_store,
+        restarted_group_store,
+        single_process_store,
+    )
 
     platform.set_titan_device_type(device_type)
     if not dist.is_initialized():
-        platform.default_single_process_env()
+        alone = platform.default_single_process_env()
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         comm = CommConfig(trace_buf_size=0)
         timeout = timedelta(seconds=comm.init_timeout_seconds)
-        store = restarted_group_store(timeout)
+        store = single_process_store(timeout) if alone else restarted_group_store(timeout)
         if store is None:
             init_distributed(comm)
         else:
-            init_restarted_group(device_type, store, timeout)
+            init_group_on_store(device_type, store, timeout)
     return dist.get_rank()
 
 

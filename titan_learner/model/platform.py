@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 
 import torch
 from torch import nn
@@ -49,14 +48,12 @@ def force_sum_reduction_on_gloo(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def default_single_process_env() -> None:
-    """Let a plain `python -m ...` (no torchrun) form a world of one on a free local port."""
+def default_single_process_env() -> bool:
+    """Let a plain `python -m ...` (no torchrun) be rank 0 of a world of one; True when it set
+    that up (the caller then opens the world's store itself, on a port the OS picks)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return False
     os.environ.update(
         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     )
-    os.environ.setdefault("MASTER_PORT", str(port))
+    return True
