@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titan_learner.model import platform
+
 
 def restarted_group_store(timeout: timedelta) -> dist.Store | None:
     """The agent's store under `titan_learner/restart-<n>/` for restart n > 0, else None (the
@@ -35,6 +37,7 @@ def single_process_store(timeout: timedelta) -> dist.Store:
     in CI: EADDRINUSE). Its port goes to MASTER_PORT for whoever reads it."""
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
     os.environ["MASTER_PORT"] = str(store.port)
+    platform.mark_own_world()
     return store
 
 

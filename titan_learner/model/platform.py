@@ -49,19 +49,33 @@ def force_sum_reduction_on_gloo(model: nn.Module) -> None:
 
 
 OWN_WORLD = "TITAN_LEARNER_OWN_WORLD"
-"""Set beside the variables below when this process set them itself: a later run in this
-process (or a child it starts, outside torchrun) forms a new world of one instead of joining
-the store of one that is gone."""
+"""Holds the launcher variables' values this process set itself for a world of one. A later run
+in this process, or a child it starts outside a launcher, that still sees those same values
+forms a new world of one instead of joining the store of one that is gone; a process whose
+variables someone else rewrote since (torchrun, `torch.multiprocessing` workers that inherit
+the marker) joins the world they describe."""
+
+
+def _world_fingerprint() -> str:
+    return "/".join(os.environ.get(name, "") for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+
+
+def mark_own_world() -> None:
+    """Record the launcher variables as this process's own world of one (call once MASTER_PORT
+    is set)."""
+    os.environ[OWN_WORLD] = _world_fingerprint()
 
 
 def default_single_process_env() -> bool:
     """Let a plain `python -m ...` (no torchrun) be rank 0 of a world of one; True when it set
     that up (the caller then opens the world's store itself, on a port the OS picks)."""
-    ours = os.environ.get(OWN_WORLD) == "1" and "TORCHELASTIC_RUN_ID" not in os.environ
+    ours = (
+        os.environ.get(OWN_WORLD) == _world_fingerprint()
+        and "TORCHELASTIC_RUN_ID" not in os.environ
+    )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not ours:
         return False
     os.environ.update(
         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     )
-    os.environ[OWN_WORLD] = "1"
     return True
