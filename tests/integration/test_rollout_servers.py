@@ -173,14 +173,13 @@ def requests_served(url: str) -> float:
 
 
 def server_job(rank: int, root: str, urls: list[str], overrides: dict, ahead: bool = False):
-    """The run on the servers with 2 ranks; then, on one rank, the same one step off-policy
-    (sampled in the pipeline's thread while the learner trains; refused on several ranks)."""
+    """The run on the servers with 2 ranks; then the same one step off-policy (each rank's
+    pipeline thread samples while the learner trains; rank 0 pushes once both asked)."""
     os.environ["TITAN_LEARNER_SERVER_TOKEN"] = TOKEN
     MODEL_OVERRIDES.update(overrides)  # a spawned process: the fixture's module state is not here
     source = str(Path(root) / "run.toml")
     run_tables = tables(Path(root), urls, steps=3)
     if ahead:
-        run_tables.pop("parallelism")
         run_tables["run"]["output_dir"] = str(Path(root) / "ahead")
         run_tables["rollout"]["max_off_policy_steps"] = 1
         run_tables["eval"]["every_steps"] = 0
@@ -192,7 +191,7 @@ def job(servers):
     root, urls, _ = servers
     before = [requests_served(url) for url in urls]
     histories = run_world(2, server_job, str(root), urls, MODEL_OVERRIDES)
-    ahead = run_world(1, server_job, str(root), urls, MODEL_OVERRIDES, True)
+    ahead = run_world(2, server_job, str(root), urls, MODEL_OVERRIDES, True)
     return root, urls, before, {"history": histories[0], "ahead": ahead[0]}
 
 
@@ -211,7 +210,9 @@ def test_the_job_trains_on_both_servers_with_dp_shard_2(job):
     assert [row["step"] for row in rows if "eval/pass@1" in row] == [0, 3]
 
 
-def test_the_servers_sample_one_version_ahead_in_the_pipeline_thread(job):
+def test_two_ranks_sample_one_version_ahead_on_the_servers(job):
+    """Every rollout came from one version (a rollout spanning a push is refused by
+    `sampled_version`), the one the schedule names, and the servers served it exactly."""
     _, urls, _, results = job
     ahead = results["ahead"]
     assert [m["staleness_max"] for m in ahead] == [0.0, 1.0, 1.0]

@@ -84,7 +84,7 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
         )
     check_batch_shaping(config)
     if config.rollout.generator == "vllm":
-        check_vllm_structure(config, data_parallel)
+        check_vllm_structure(config)
 
 
 def check_batch_shaping(config: Config) -> None:

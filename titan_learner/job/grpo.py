@@ -150,8 +150,10 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
 
 
 def build_server_generator(config: Config, hf_model_config, dtype: torch.dtype, ids: dict):
-    """The [rollout.vllm] servers, shared by every rank; rank 0 pushes the weights."""
+    """The [rollout.vllm] servers, shared by every rank; rank 0 pushes the weights once every
+    rank asked for them (a collective: every rank builds it)."""
     from titan_learner.ranks import rank
+    from titan_learner.vllm.push_gate import trainer_push_gate
     from titan_learner.vllm.serve import server_token
     from titan_learner.vllm.server_generator import ServerGenerator
 
@@ -162,6 +164,7 @@ def build_server_generator(config: Config, hf_model_config, dtype: torch.dtype, 
         sender=rank() == 0,
         weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
         token=server_token(config),
+        gate=trainer_push_gate(),
         **ids,
     )
 

@@ -23,7 +23,7 @@ RESERVED_ENGINE_KEYS = {
 }
 
 
-def check_vllm_structure(config: Config, data_parallel: int = 1) -> None:
+def check_vllm_structure(config: Config) -> None:
     """What the file alone decides: an engine model directory (the servers have theirs), the
     servers, the weight transfer, and vLLM's sampling limits."""
     from titan_learner.rollout.vllm import check_vllm_sampling
@@ -51,7 +51,7 @@ def check_vllm_structure(config: Config, data_parallel: int = 1) -> None:
             source=source,
             where="[rollout.vllm] weight_transfer",
         )
-    _check_servers(config, data_parallel)
+    _check_servers(config)
     for key, owner in RESERVED_ENGINE_KEYS.items():
         if key in config.rollout.vllm:
             raise ConfigError(
@@ -59,24 +59,11 @@ def check_vllm_structure(config: Config, data_parallel: int = 1) -> None:
             )
 
 
-def _check_servers(config: Config, data_parallel: int) -> None:
-    """[rollout.vllm] servers: URLs of running servers (`titan-learner serve` starts one).
-
-    Rollouts ahead of the learner on several data-parallel ranks are refused: each rank's
-    rollout thread samples on its own clock, so rank 0's push of the next version can land
-    while another rank still samples the step that needs the previous one (measured: a rollout
-    sampled under versions 0 and 1)."""
+def _check_servers(config: Config) -> None:
+    """[rollout.vllm] servers: URLs of running servers (`titan-learner serve` starts one)."""
     servers = config.rollout.vllm.get("servers")
     if servers is None:
         return
-    if config.rollout.max_off_policy_steps > 0 and data_parallel > 1:
-        raise ConfigError(
-            f"max_off_policy_steps = {config.rollout.max_off_policy_steps} with rollout servers "
-            f"and {data_parallel} data-parallel ranks: the ranks' rollout threads would sample "
-            "across a weight push; allowed: 0 with several ranks, or one data-parallel rank",
-            source=config.source,
-            where="[rollout] max_off_policy_steps",
-        )
     if (
         not isinstance(servers, list)
         or not servers

@@ -10,7 +10,8 @@ group: gloo on CPU, nccl on GPUs), between a pause (in-flight requests finish fi
 resume; the servers then report the new version. Other trainer ranks send nothing: they wait
 until every server reports the version before they sample, so no rank samples from weights
 older than the ones it was handed, and no collective is needed (the call may come from a
-rollout thread).
+rollout thread). With several ranks, rank 0 pushes only once every rank has asked for the
+version (`PushGate`): no rank is then still sampling with the weights the push replaces.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from titan_learner.rollout.base import Rollout, _check_special_ids, eos_id_set, rollout_from_lists
 from titan_learner.rollout.vllm import request_sampling
 from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.push_gate import PUSH_WAIT_S, PushGate
 from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
@@ -36,7 +38,8 @@ VERSION_POLL_S = 0.05
 class ServerGenerator:
     """`urls`: the servers (`titan-learner serve` starts one). `config`: the transformers config
     of the model they serve (names and shapes each update is checked against). `sender`: this
-    trainer process pushes the weights (rank 0); the others wait for the servers' version."""
+    trainer process pushes the weights (rank 0); the others wait for the servers' version.
+    `gate`: with several trainer ranks, how rank 0 knows they all asked for a version."""
 
     def __init__(
         self,
@@ -50,6 +53,7 @@ class ServerGenerator:
         weight_transfer: str = "auto",
         token: str | None = None,
         timeout_s: float = 300.0,
+        gate: PushGate | None = None,
     ) -> None:
         from titan_learner.model.hf_config import hf_parameter_shapes
 
@@ -59,6 +63,7 @@ class ServerGenerator:
         self.vocab_size = config.vocab_size
         self.dtype = dtype
         self.timeout_s = timeout_s
+        self.gate = gate
         self.servers = [ServerClient(url, token=token, timeout_s=timeout_s) for url in urls]
         for server in self.servers:
             server.health()
@@ -77,6 +82,7 @@ class ServerGenerator:
         self.weights_version = 0
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        arrivals = None if self.gate is None else self.gate.arrive(version)
         if self._transfer is None:
             self._wait_for_version(version)
             self.weights_version = int(version)
@@ -87,6 +93,8 @@ class ServerGenerator:
             required=self._required,
             rejected="load_weights rejected the weights, nothing was sent",
         )
+        if arrivals is not None:
+            self.gate.wait_for_all(arrivals, version)
         self.group.pause()
         try:
             self._transfer.send(
@@ -98,13 +106,13 @@ class ServerGenerator:
         self.weights_version = int(version)
 
     def _wait_for_version(self, version: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + PUSH_WAIT_S  # rank 0 may wait for a slower rank first
         for server in self.servers:
             while server.weight_version() != str(version):
                 if time.monotonic() > deadline:
                     raise ServerError(
                         f"rollout server {server.url} still serves version "
-                        f"{server.weight_version()} after {self.timeout_s:g} s, expected "
+                        f"{server.weight_version()} after {PUSH_WAIT_S:g} s, expected "
                         f"{version} (pushed by trainer rank 0)"
                     )
                 time.sleep(VERSION_POLL_S)
