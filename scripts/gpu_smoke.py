@@ -203,10 +203,11 @@ def job(directory: str, device: str, steps: int, off_policy_steps: int = 0) -> i
     )
 
 
-def vllm_transfer(device: str, transfer: str) -> int:
+def vllm_transfer(device: str, transfer: str, sleep_level: int = 0) -> int:
     """A colocated vLLM engine on `device` takes a trained learner's weights through backend
     `transfer` and then serves what transformers computes with them (greedy tokens equal,
-    log-probs within TOLERANCE in fp32)."""
+    log-probs within TOLERANCE in fp32). With `sleep_level` 1 it sleeps between rollouts: the
+    GPU memory it gives back while asleep is reported."""
     import tempfile
     from pathlib import Path
 
@@ -236,6 +237,7 @@ def vllm_transfer(device: str, transfer: str) -> int:
             dtype=f32,
             device=torch.device(device),
             weight_transfer=transfer,
+            sleep_level=sleep_level,
             enforce_eager=True,
             max_model_len=64,
             gpu_memory_utilization=0.3,
@@ -247,6 +249,11 @@ def vllm_transfer(device: str, transfer: str) -> int:
             prompts = [[5, 6, 7], [8, 9, 10, 11]]
             rng = torch.Generator(device=device).manual_seed(0)
             served = engine.generate(prompts, 1, 8, 0.0, rng)
+            freed = 0.0
+            if sleep_level:
+                asleep = torch.cuda.mem_get_info()[0]
+                engine._sleep.wake("weights", "kv_cache")
+                freed = (asleep - torch.cuda.mem_get_info()[0]) / 2**30
         finally:
             engine.close()
     reference = HFGenerator(spec, eos_id=0, pad_id=0, device=torch.device(device))
@@ -258,9 +265,11 @@ def vllm_transfer(device: str, transfer: str) -> int:
     worst = difference.abs().max().item() if real.any() else float("nan")
     return report(
         "vllm",
-        same_tokens and worst <= TOLERANCE,
+        same_tokens and worst <= TOLERANCE and (freed > 0 or not sleep_level),
         device=device,
         weight_transfer=engine.weight_transfer,
+        sleep_level=sleep_level,
+        freed_while_asleep_gib=round(freed, 2),
         same_greedy_tokens=same_tokens,
         logprob_diff_max=worst,
         push_s=round(push_s, 4),
@@ -276,6 +285,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--off-policy-steps", type=int, default=0, help="job: max_off_policy_steps")
     parser.add_argument("--transfer", default="auto", help="vllm: [rollout.vllm] weight_transfer")
+    parser.add_argument(
+        "--sleep-level", type=int, default=0, help="vllm: [rollout.vllm] sleep_level"
+    )
     args = parser.parse_args()
     if args.check == "env":
         return env()
@@ -286,7 +298,7 @@ def main() -> int:
     if args.check == "job":
         return job(args.directory, args.device, args.steps, args.off_policy_steps)
     if args.check == "vllm":
-        return vllm_transfer(args.device, args.transfer)
+        return vllm_transfer(args.device, args.transfer, args.sleep_level)
     return {"parity": parity, "chunked": chunked, "shared": shared}[args.check](args.device)
 
 

@@ -23,6 +23,8 @@
 #   vllm_ipc, vllm_gloo  where `import vllm` works: a colocated engine takes a trained learner's
 #            weights through vLLM's RL API (ipc, then our gloo backend) and serves what
 #            transformers computes; where it does not, one line says these did not run
+#   vllm_sleep  the same through ipc with [rollout.vllm] sleep_level 1: the GPU memory the
+#            engine gives back while asleep
 # Numbers go to $OUT/gpu_smoke.jsonl (OUT: the lent machine's output folder; else
 # outputs/gpu_smoke), each check's log beside it.
 set -uo pipefail
@@ -89,8 +91,9 @@ check shared 60 "$PYTHON" scripts/gpu_smoke.py shared
 if "$PYTHON" -c "import vllm" 2>/dev/null; then
     check vllm_ipc 150 "$PYTHON" scripts/gpu_smoke.py vllm --transfer ipc
     check vllm_gloo 150 "$PYTHON" scripts/gpu_smoke.py vllm --transfer gloo
+    check vllm_sleep 150 "$PYTHON" scripts/gpu_smoke.py vllm --transfer ipc --sleep-level 1
 else
-    echo "=== gpu_smoke: vllm_ipc, vllm_gloo did not run: vllm does not import here ==="
+    echo "=== gpu_smoke: vllm_ipc, vllm_gloo, vllm_sleep did not run: vllm does not import here ==="
 fi
 
 if ((${#failed[@]})); then

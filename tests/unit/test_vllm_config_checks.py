@@ -83,3 +83,55 @@ def test_a_gpu_weight_transfer_on_a_cpu_machine_is_one_line(same_shape):
         "CUDA devices and this engine runs on the CPU; allowed here: gloo (or auto)"
     )
     validate(toy_with_vllm(same_shape, 'rollout.vllm.weight_transfer="gloo"'), world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["rollout.vllm.sleep_level=2"],
+            "2; allowed: 0 (never sleeps) or 1 (sleeps between rollouts)",
+        ),
+        (
+            ["rollout.vllm.sleep_level=true"],
+            "True; allowed: 0 (never sleeps) or 1 (sleeps between rollouts)",
+        ),
+        (
+            ["rollout.vllm.sleep_level=1", "rollout.max_off_policy_steps=1"],
+            "1 with max_off_policy_steps = 1: the engine samples while the learner trains; "
+            "allowed: 0",
+        ),
+        (
+            ["rollout.vllm.sleep_level=1", 'rollout.vllm.servers=["http://127.0.0.1:8000"]'],
+            "1 with rollout servers: they do not share the learner's GPU; allowed: 0",
+        ),
+    ],
+)
+def test_a_sleep_level_that_cannot_apply_is_one_line(same_shape, extra, message):
+    with pytest.raises(ConfigError) as info:
+        validate(toy_with_vllm(same_shape, *extra), world_size=1, on_this_machine=False)
+    assert str(info.value) == f"{TOY}: [rollout.vllm] sleep_level: {message}"
+
+
+@needs_vllm
+def test_sleep_mode_on_a_machine_without_cuda_is_one_line(same_shape):
+    """vLLM's sleep mode is CUDA's (the engine run: test_vllm_engine.py, on a GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: sleep mode is allowed here")
+    with pytest.raises(ConfigError) as info:
+        validate(toy_with_vllm(same_shape, "rollout.vllm.sleep_level=1"), world_size=1)
+    assert str(info.value) == (
+        f"{TOY}: [rollout.vllm] sleep_level: 1: vLLM's sleep mode needs a CUDA GPU and this "
+        "machine has none; allowed: 0"
+    )
+    validate(toy_with_vllm(same_shape, "rollout.vllm.sleep_level=0"), world_size=1)
+
+
+def test_the_default_sleep_level_sleeps_only_an_engine_on_the_learners_gpu_in_turn():
+    from titan_learner.vllm.engine_sleep import default_sleep_level
+
+    assert default_sleep_level(colocated_on_gpu=True, off_policy_steps=0) == 1
+    assert default_sleep_level(colocated_on_gpu=True, off_policy_steps=1) == 0
+    assert default_sleep_level(colocated_on_gpu=False, off_policy_steps=0) == 0

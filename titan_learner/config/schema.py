@@ -256,9 +256,15 @@ class RolloutSection:
     """vllm only: keyword arguments of `vllm.LLM` ([rollout.vllm] gpu_memory_utilization,
     enforce_eager, max_model_len, ...). Defaults: dtype = [learner] export_dtype, seed = [run]
     seed, max_model_len = [data] max_prompt_tokens + the longest max_new_tokens,
-    gpu_memory_utilization 0.5 on a GPU. One key is ours: weight_transfer = "auto" | "ipc" |
+    gpu_memory_utilization 0.5 on a GPU. Four keys are ours: weight_transfer = "auto" | "ipc" |
     "nccl" | "nccl_m2n" | "gloo", the backend of vLLM's RL weight-transfer API that moves each
-    update into the engines (auto: ipc for an engine on the rank's own GPU, gloo on CPU)."""
+    update into the engines (auto: ipc for an engine on the rank's own GPU, nccl to servers,
+    gloo on CPU); servers = ["http://host:port", ...], running `titan-learner serve` servers to
+    sample on instead of an engine per rank; token_file, the file holding the servers' bearer
+    token (or $TITAN_LEARNER_SERVER_TOKEN); sleep_level = 0 | 1, whether an engine on the
+    learner's GPU sleeps between rollouts (vLLM's sleep mode: weights to host memory, KV cache
+    dropped, so the update has the GPU; default 1 on a GPU when max_off_policy_steps = 0, else
+    0)."""
 
 
 @dataclass

@@ -128,6 +128,7 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.vllm import VLLMGenerator
     from titan_learner.vllm.engine_memory import cpu_engine_defaults, job_engine_memory
+    from titan_learner.vllm.engine_sleep import default_sleep_level
     from titan_learner.vllm.serve import OWN_KEYS
 
     # the KV cache is sized for what the job asks, not for the model's longest context
@@ -144,6 +145,13 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         seed=config.run.seed,
         device=learner.device,
         weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
+        sleep_level=config.rollout.vllm.get(
+            "sleep_level",
+            default_sleep_level(
+                colocated_on_gpu=learner.device.type == "cuda",
+                off_policy_steps=config.rollout.max_off_policy_steps,
+            ),
+        ),
         **ids,
         **engine,
     )

@@ -52,6 +52,7 @@ def check_vllm_structure(config: Config) -> None:
             where="[rollout.vllm] weight_transfer",
         )
     _check_servers(config)
+    _check_sleep_level(config)
     for key, owner in RESERVED_ENGINE_KEYS.items():
         if key in config.rollout.vllm:
             raise ConfigError(
@@ -85,6 +86,48 @@ def _check_servers(config: Config) -> None:
         )
 
 
+def _check_sleep_level(config: Config) -> None:
+    """[rollout.vllm] sleep_level: 0 or 1, for an engine that samples in turn with the learner
+    on its GPU (the CUDA part is a machine check)."""
+    from titan_learner.vllm.engine_sleep import SLEEP_LEVELS
+
+    level = config.rollout.vllm.get("sleep_level")
+    if level is None:
+        return
+    where = "[rollout.vllm] sleep_level"
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ConfigError(
+            f"{level!r}; allowed: 0 (never sleeps) or 1 (sleeps between rollouts)",
+            source=config.source,
+            where=where,
+        )
+    if level and config.rollout.vllm.get("servers"):
+        raise ConfigError(
+            f"{level} with rollout servers: they do not share the learner's GPU; allowed: 0",
+            source=config.source,
+            where=where,
+        )
+    if level and config.rollout.max_off_policy_steps:
+        raise ConfigError(
+            f"{level} with max_off_policy_steps = {config.rollout.max_off_policy_steps}: the "
+            "engine samples while the learner trains; allowed: 0",
+            source=config.source,
+            where=where,
+        )
+
+
+def _check_sleep_on_cuda(config: Config) -> None:
+    import torch
+
+    level = config.rollout.vllm.get("sleep_level", 0)
+    if level and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{level}: vLLM's sleep mode needs a CUDA GPU and this machine has none; allowed: 0",
+            source=config.source,
+            where="[rollout.vllm] sleep_level",
+        )
+
+
 def engine_rows(config: Config, data_parallel: int) -> int:
     """The rows one of the job's own engines samples in a step: its rank's share."""
     return config.rollout.prompts_per_step // data_parallel * config.rollout.group_size
@@ -102,6 +145,7 @@ def check_vllm_machine(
     machine_check(lambda: _check_engine_model(config))
     machine_check(lambda: _check_engine_arguments(config))
     machine_check(lambda: _check_weight_transfer(config))
+    machine_check(lambda: _check_sleep_on_cuda(config))
     if not config.rollout.vllm.get("servers"):
         machine_check(lambda: _check_cpu_engine_memory(config, world_size, data_parallel))
 

@@ -121,6 +121,9 @@ class VLLMGenerator:
     on that GPU, sharing it with the learner (`gpu_memory_utilization`, default 0.5). With
     tensor_parallel_size > 1 the engine takes the first GPUs this process sees.
 
+    `sleep_level` 1 (CUDA only): the engine sleeps between rollouts (titan_learner.vllm.
+    engine_sleep), so its GPU memory is the learner's during the update.
+
     Weights travel through vLLM's RL weight-transfer API (`weight_transfer`, see
     titan_learner.vllm.backends: "auto" is ipc for an engine on this process's GPU, gloo on the
     CPU), cast to the engine dtype; the engine reports the version it serves.
@@ -136,6 +139,7 @@ class VLLMGenerator:
         seed: int = 0,
         device: torch.device | None = None,
         weight_transfer: str = "auto",
+        sleep_level: int = 0,
         **engine_kwargs: Any,
     ) -> None:
         try:
@@ -148,6 +152,7 @@ class VLLMGenerator:
             ) from err
         from transformers import AutoConfig
 
+        from titan_learner.vllm.engine_sleep import EngineSleep
         from titan_learner.vllm.transfer import EngineWeightTransfer, OfflineClient
 
         config = AutoConfig.from_pretrained(model_path)
@@ -161,6 +166,8 @@ class VLLMGenerator:
         self.dtype = dtype
         self.weights_version = 0
         engine_kwargs.setdefault("logprobs_mode", "raw_logprobs")
+        if sleep_level:
+            engine_kwargs["enable_sleep_mode"] = True
         if device is not None and device.type == "cuda":
             engine_kwargs.setdefault("gpu_memory_utilization", GPU_ENGINE_SHARE)
         one_gpu = engine_kwargs.get("tensor_parallel_size", 1) == 1
@@ -187,6 +194,8 @@ class VLLMGenerator:
             self.weight_transfer,
             workers=parallel.world_size * parallel.data_parallel_size,
         )
+        self._sleep = EngineSleep(self.llm, sleep_level)
+        self._sleep.sleep()  # the learner's first update has the GPU to itself
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Check names and shapes against the HF model, then load on every worker."""
@@ -196,6 +205,7 @@ class VLLMGenerator:
             required=self._required,
             rejected="load_weights rejected the weights, nothing was copied",
         )
+        self._sleep.wake("weights")
         self._transfer.send([(n, t.detach().to(self.dtype)) for n, t in incoming.items()], version)
         self.weights_version = int(version)
 
@@ -227,7 +237,11 @@ class VLLMGenerator:
         )
         params = [SamplingParams(**fields) for fields in sampling]
         requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self._sleep.wake("weights", "kv_cache")
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            self._sleep.sleep()
         completions: list[list[int]] = []
         log_probs: list[list[float]] = []
         for output in outputs:
