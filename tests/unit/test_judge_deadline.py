@@ -66,15 +66,19 @@ def base_url(server: ThreadingHTTPServer) -> str:
     return f"http://127.0.0.1:{server.server_port}/v1"
 
 
-def judged(tmp_path, server: ThreadingHTTPServer, on_error: str, completions: int = 2):
+def judge_rewards(tmp_path, server: ThreadingHTTPServer, on_error: str):
     (tmp_path / "judge.jinja").write_text(TEMPLATE)
     table = judge_table(base_url=base_url(server), retries=1)
     config = config_from_dict(
         {"reward": [{"judge": table, "on_error": on_error, "timeout_s": TIMEOUT_S}]},
         source=str(tmp_path / "run.toml"),
     )
+    return build_rewards(config)
+
+
+def judged(rewards, completions: int = 2):
     return score(
-        build_rewards(config),
+        rewards,
         ["What is 2 + 3?"] * completions,
         ["5"] * completions,
         [{"answer": "5"}] * completions,
@@ -93,7 +97,7 @@ def timed_out(server: ThreadingHTTPServer) -> str:
 
 def test_a_reply_within_the_deadline_scores(tmp_path, trickling):
     trickling.byte_every_s = 0.0
-    scores = judged(tmp_path, trickling, "raise")
+    scores = judged(judge_rewards(tmp_path, trickling, "raise"))
     assert scores.per_reward["judge"].tolist() == [7.0, 7.0] and scores.errors == 0
     assert trickling.requests == 2
 
@@ -104,11 +108,12 @@ def test_a_trickled_reply_is_cut_at_the_deadline_and_tried_again(
 ):
     trickling.trickle_headers = trickle_headers
     assert len(REPLY) * BYTE_EVERY_S > 2 * TIMEOUT_S  # whole, the reply would take longer
+    rewards = judge_rewards(tmp_path, trickling, "zero")
     started = time.monotonic()
-    scores = judged(tmp_path, trickling, "zero")
+    scores = judged(rewards)
     seconds = time.monotonic() - started
     # two tries of TIMEOUT_S each and one backoff (0.5 s), the completions concurrently
-    assert 2 * TIMEOUT_S <= seconds < 2 * TIMEOUT_S + 0.5 + 1.5
+    assert 2 * TIMEOUT_S + 0.5 <= seconds < 2 * TIMEOUT_S + 0.5 + 1.5
     assert trickling.requests == 4
     assert scores.per_reward["judge"].tolist() == [0.0, 0.0] and scores.errors == 2
     assert scores.replies == {"judge": [None, None]}
@@ -116,8 +121,9 @@ def test_a_trickled_reply_is_cut_at_the_deadline_and_tried_again(
 
 
 def test_a_trickled_reply_under_on_error_raise_is_one_line(tmp_path, trickling):
+    rewards = judge_rewards(tmp_path, trickling, "raise")
     with pytest.raises(RewardError) as raised:
-        judged(tmp_path, trickling, "raise", completions=1)
+        judged(rewards, completions=1)
     assert (
         str(raised.value)
         == timed_out(trickling) + '; allowed: a finite number (or on_error = "zero")'
