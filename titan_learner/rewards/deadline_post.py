@@ -5,6 +5,7 @@ A socket timeout (urllib's `timeout=`) bounds each blocking operation, not the r
 endpoint that trickles a byte every few seconds would keep a judge request open for ever while
 every single read returns in time. Here a watchdog timer shuts the socket down at the deadline,
 which wakes whichever operation is blocked on it, and the request ends with TimeoutError.
+It connects to the URL's host directly: proxy variables (HTTP_PROXY, HTTPS_PROXY) are not read.
 """
 
 from __future__ import annotations
