@@ -30,7 +30,12 @@ from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
 from titan_learner.checkpoint.layout import save_resolved_config
 from titan_learner.cli import main
 from titan_learner.config.errors import ConfigError
-from titan_learner.config.toml import config_from_dict, config_to_toml, load_config
+from titan_learner.config.toml import (
+    config_from_dict,
+    config_to_toml,
+    load_config,
+    resolved_config_text,
+)
 from titan_learner.dtypes import DTYPE_NAMES, parse_dtype
 from titan_learner.learner.local import LocalLearner
 from titan_learner.model.hf_config import hf_config
@@ -580,6 +585,21 @@ def test_config_to_toml_refuses_a_none_that_toml_cannot_say():
     config.optimizer.lr = None  # set from Python; left out it would read back as the default
     with pytest.raises(ValueError, match=r"\[optimizer\] lr = None has no TOML form"):
         config_to_toml(config)
+
+
+def test_resolved_config_leaves_absent_optional_sub_tables_out(tmp_path):
+    judge = {"base_url": "http://127.0.0.1:8000/v1", "model": "j", "prompt": "j.jinja"}
+    config = config_from_dict(
+        {"reward": [{"function": "math"}, {"judge": {**judge, "parse": "(\\d+)"}}]},
+        source=str(tmp_path / "run.toml"),
+    )
+    text = resolved_config_text(config)
+    assert "[rollout.vllm]" not in text  # empty, as its default
+    assert text.count("[reward.judge]") == 1  # the judge's own, not one under math
+    assert "judge" not in tomllib.loads(text)["reward"][0]
+    again = reloaded(tmp_path, text)
+    again.source = config.source
+    assert again == config
 
 
 def test_check_prints_config_to_toml(capsys):

@@ -123,6 +123,6 @@ def test_a_judge_that_is_down_costs_bounded_tries_per_completion(tmp_path):
     assert scores.replies == {"judge": [None, None, None]}
     assert scores.messages[0].startswith(
         f"reward 'judge' (judge judge at http://127.0.0.1:{port}/v1) failed: POST "
-        f"http://127.0.0.1:{port}/v1/chat/completions: URLError: "
+        f"http://127.0.0.1:{port}/v1/chat/completions: ConnectionRefusedError: "
     )
     assert scores.messages[0].endswith("(2 tries) on train.jsonl:1")

@@ -97,6 +97,15 @@ def test_dry_run_prints_a_command_a_shell_runs_as_is():
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
 
 
+def test_text_routes_keep_the_tokenizer_and_nothing_else_changes():
+    """A judge's server (`--text-routes`): vLLM loads the tokenizer, so /v1/chat/completions
+    answers (tests/integration/test_judge_on_titan_serve.py); the rest is a rollout server's."""
+    rollout = shlex.split(serve("--port", "8123", "--dry-run").stdout)
+    judge = shlex.split(serve("--port", "8123", "--text-routes", "--dry-run").stdout)
+    assert "--skip-tokenizer-init" in rollout
+    assert [a for a in rollout if a != "--skip-tokenizer-init"] == judge
+
+
 @pytest.mark.parametrize(
     ("servers", "message"),
     [

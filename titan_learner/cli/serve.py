@@ -25,6 +25,12 @@ def add_serve_parser(commands) -> None:
         help="CUDA devices for the server, e.g. 4,5,6,7 (default: what this process sees)",
     )
     serve.add_argument(
+        "--text-routes",
+        action="store_true",
+        help="load the model's tokenizer too, so /v1/chat/completions and /v1/completions "
+        "answer: an LLM judge's server (rollouts need only token ids)",
+    )
+    serve.add_argument(
         "--dry-run", action="store_true", help="print the server's command line and exit"
     )
 
@@ -39,7 +45,12 @@ def serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         on_gpu = args.gpus is not None or _sees_a_gpu()
         argv, env = server_command(
-            config, host=args.host, port=args.port, on_gpu=on_gpu, python=sys.executable
+            config,
+            host=args.host,
+            port=args.port,
+            on_gpu=on_gpu,
+            python=sys.executable,
+            text_routes=args.text_routes,
         )
     except ConfigError as err:
         return user_error(err)

@@ -120,9 +120,10 @@ def config_to_toml(config: Config) -> str:
 
     One table per section in schema order, then its sub-tables (`[[reward]]` once per entry);
     `[loss]` holds `name` and the
-    loss keyword arguments as plain keys, as a user writes them. TOML has no null: a None is left
-    out, which reads back as the field's default, so a None whose default is not None (set from
-    Python) raises ValueError instead of changing meaning.
+    loss keyword arguments as plain keys, as a user writes them. An empty sub-table whose default
+    is empty (`[reward.judge]` under a function reward) is left out: it reads back the same. TOML
+    has no null: a None is left out, which reads back as the field's default, so a None whose
+    default is not None (set from Python) raises ValueError instead of changing meaning.
     """
     tables = []
     for name in SECTIONS:
@@ -169,6 +170,8 @@ def _plain(obj: Any, path: tuple[str, ...]) -> dict[str, Any]:
                 f"{describe_location(where)} = None has no TOML form (TOML has no null) and leaving "
                 f"it out would {meaning}; set a value instead"
             )
+        if value == {} and default == {}:  # an optional sub-table not given: [reward.judge]
+            continue
         if dataclasses.is_dataclass(value) or isinstance(value, dict):
             out[key] = _plain(value, where)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from titan_learner.config.derived import longest_sequence
@@ -229,16 +230,8 @@ def check_job_inputs(
     ):
         for name in files:
             path = resolve(name, base)
-
-            def present(path: Path = path, where: str = where) -> None:
-                if not path.is_file():
-                    raise ConfigError(
-                        f"{path} not found; allowed: a local JSONL, JSON or Parquet file",
-                        source=config.source,
-                        where=where,
-                    )
-
-            machine_check(present)
+            allowed = "a local JSONL, JSON or Parquet file"
+            machine_check(partial(require_file, config, path, allowed, where))
             if path.is_file():
                 _check_first_rows(config, path, [key, data.answer_key])
     _check_tokenizer(config, machine_check, model_vocab)
@@ -260,6 +253,15 @@ def check_job_inputs(
             raise ConfigError(
                 str(err), source=config.source, where=f"[[reward]] #{index + 1} function"
             ) from None
+
+
+def require_file(config: Config, path: Path, allowed: str, where: str) -> None:
+    """A file that must exist on this machine (for `machine_check`, which makes its absence a
+    warning where the run is meant for another machine)."""
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} not found; allowed: {allowed}", source=config.source, where=where
+        )
 
 
 def _check_first_rows(config: Config, path: Path, keys: list[str]) -> None:
@@ -366,16 +368,7 @@ def _check_judge_inputs(
     machine_check(token_set)
     where = f"[[reward]] #{index + 1} judge.prompt"
     path = resolve(table["prompt"], Path(config.source).parent)
-
-    def present() -> None:
-        if not path.is_file():
-            raise ConfigError(
-                f"{path} not found; allowed: a Jinja template file",
-                source=config.source,
-                where=where,
-            )
-
-    machine_check(present)
+    machine_check(partial(require_file, config, path, "a Jinja template file", where))
     if path.is_file():
         try:
             jinja2.Environment().parse(path.read_text())

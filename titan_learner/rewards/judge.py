@@ -3,26 +3,28 @@ serve`, a hosted API) reads a prompt rendered from a Jinja template and replies;
 expression with one group takes the score out of the reply.
 
 Requests run `concurrency` at a time in threads (they wait on the network, not the CPU). Each
-request gets `timeout_s` and at most `retries` more tries (connection errors, timeouts, 5xx),
-with a short backoff, so a judge that is down costs a bounded time per completion. A token
-(`api_key_env`: a hosted API, vLLM's `--api-key`, `titan-learner serve`) is read from the
-environment, never from the config file. A reply that
-does not parse, or a request that still fails, is an error of that completion, handled by the
-reward's `on_error`; every raw reply is kept for samples.jsonl.
+request must be over within `timeout_s` (connect, send and the whole reply: a total deadline,
+rewards.deadline_post) and gets at most `retries` more tries (connection errors, timeouts, 5xx),
+with a short backoff, so a judge that is down or slow costs a bounded time per completion. A
+token (`api_key_env`: a hosted API, vLLM's `--api-key`, `titan-learner serve`) is read from the
+environment, never from the config file. A reply that does not parse, or a request that still
+fails, is an error of that completion, handled by the reward's `on_error`; every raw reply is
+kept for samples.jsonl.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from titan_learner.rewards.deadline_post import HTTPStatusError, post_within
 
 JUDGE_KEYS = {
     "base_url": "http(s)://host:port/v1",
@@ -111,16 +113,14 @@ class Judge:
         for attempt in range(self.settings.retries + 1):
             if attempt:
                 time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, body, self.headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                    answer = json.loads(response.read())
+                answer = json.loads(post_within(self.url, body, self.headers, timeout_s))
                 return answer["choices"][0]["message"]["content"] or "", ""
-            except urllib.error.HTTPError as err:
-                failure = f"POST {self.url}: HTTP {err.code} {err.reason}"
+            except HTTPStatusError as err:
+                failure = f"POST {self.url}: {err}"
                 if err.code < 500:
                     break  # a request the endpoint refuses will not pass on a retry
-            except (urllib.error.URLError, TimeoutError, OSError) as err:
+            except (OSError, http.client.HTTPException) as err:  # TimeoutError is an OSError
                 failure = f"POST {self.url}: {type(err).__name__}: {err}"
             except (ValueError, KeyError, IndexError) as err:
                 failure = f"POST {self.url}: not a chat completion ({type(err).__name__}: {err})"

@@ -7,6 +7,8 @@ seed, a context as long as the job's longest sequence, token ids in and out (no 
 raw log-probs, the weight-transfer backend, vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`), the
 [rollout.vllm] engine arguments as flags, and our bearer-token guard on every route but /health.
 It binds 127.0.0.1 unless told otherwise; beyond loopback it refuses to start without a token.
+`--text-routes` loads the model's tokenizer too, so vLLM's text routes (/v1/chat/completions,
+/v1/completions) answer: an LLM judge's server ([[reward]] judge) behind the same guard.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def engine_flags(engine: dict[str, Any]) -> list[str]:
 
 
 def server_command(
-    config: Config, *, host: str, port: int, on_gpu: bool, python: str
+    config: Config, *, host: str, port: int, on_gpu: bool, python: str, text_routes: bool = False
 ) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and the variables to add to its environment."""
+    """The server's argv and the variables to add to its environment. Rollouts need no
+    tokenizer (token ids in and out); `text_routes` (a judge's server) loads it."""
     from titan_learner.config.derived import engine_model_path, longest_sequence
 
     where = "[rollout.vllm] weight_transfer"
@@ -109,7 +112,7 @@ def server_command(
         "--dtype", config.learner.export_dtype,
         "--seed", str(config.run.seed),
         "--max-model-len", str(config.rollout.vllm.get("max_model_len", longest_sequence(config))),
-        "--skip-tokenizer-init",
+        *([] if text_routes else ["--skip-tokenizer-init"]),
         "--logprobs-mode", "raw_logprobs",
         "--enable-scale-out",  # token-in/token-out: /inference/v1/generate
         "--weight-transfer-config", json.dumps({"backend": backend}),
