@@ -99,6 +99,25 @@ def test_a_bad_judge_is_one_line_before_any_compute(tmp_path, capsys, table, mes
     assert message.format(root=tmp_path) in train(capsys, config)
 
 
+def test_a_proxy_the_judge_cannot_speak_to_is_one_line(tmp_path, capsys, monkeypatch):
+    """The environment's proxy for the judge's scheme must be plain HTTP (CONNECT for https)."""
+    monkeypatch.setenv("HTTP_PROXY", "socks5://user:pw@egress.internal:1080")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    tokenizer = tmp_path / "tok"
+    make_tokenizer(tokenizer)
+    write_gsm8k_jsonl(tmp_path / "train.jsonl")
+    (tmp_path / "judge.jinja").write_text(TEMPLATE)
+    config = write_config(tmp_path, str(tokenizer))
+    with open(config, "a") as file:
+        file.write(f"[[reward]]\njudge = {inline(judge_table())}\n")
+    assert (
+        "[[reward]] #2 judge.base_url: proxy 'socks5://egress.internal:1080' is not an "
+        "http://host:port proxy; allowed: an http:// proxy in HTTP_PROXY / HTTPS_PROXY, or the "
+        "host in NO_PROXY"
+    ) in train(capsys, config)
+
+
 def test_a_judge_that_is_down_costs_bounded_tries_per_completion(tmp_path):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))

@@ -314,7 +314,8 @@ class RewardSection:
     """An LLM judge behind an OpenAI-compatible endpoint: { base_url, model, prompt (a .jinja
     file: prompt, completion, answer, row), parse (a regex whose one group is the score),
     temperature, max_tokens, concurrency, retries, api_key_env }; timeout_s is each request's
-    total deadline."""
+    total deadline. base_url is reached through HTTP_PROXY / HTTPS_PROXY (an http:// proxy)
+    unless NO_PROXY names its host, as urllib does."""
     name: str | None = None
     """Its name in the metrics (training/reward/<name>_mean); default: the function's, the
     model directory's name, or "judge"."""
@@ -322,9 +323,10 @@ class RewardSection:
     """Its weight in the completion's reward: the weighted sum of every [[reward]]."""
     timeout_s: float = field(default=10.0, metadata={"min": 0.001})
     """Seconds one call may take; a call that overruns is an error (see on_error). A judge's
-    call is one request, and the deadline is total: connect, send and the whole reply, however
-    slowly it arrives; a request cut at it is tried again up to retries times, so a completion
-    costs at most (retries + 1) x timeout_s plus the backoff (0.5 s, then 1 s, 2 s, ...)."""
+    call is one request, and the deadline is total: connect (through a proxy too), send and the
+    whole reply, however slowly it arrives; a request cut at it is tried again up to retries
+    times, so a completion costs at most (retries + 1) x timeout_s plus the backoff (0.5 s, then
+    1 s, 2 s, ...)."""
     on_error: Literal["raise", "zero"] = "raise"
     """raise: a reward that raises, hangs or returns a non-finite value stops the job with one
     line; zero: it scores 0 and is counted in training/reward_errors."""

@@ -349,10 +349,13 @@ def _check_reward_model(
 def _check_judge_inputs(
     config: Config, table: dict, index: int, machine_check: Callable[[Callable[[], None]], None]
 ) -> None:
-    """The judge's template (present, valid Jinja) and its token's environment variable."""
+    """The judge's template (present, valid Jinja), its token's environment variable and the
+    proxy the environment sends it through (an http:// one)."""
     import os
 
     import jinja2
+
+    from titan_learner.rewards.proxy_route import proxy_for
 
     variable = table.get("api_key_env")
 
@@ -366,6 +369,19 @@ def _check_judge_inputs(
             )
 
     machine_check(token_set)
+
+    def proxy_usable() -> None:
+        try:
+            proxy_for(table["base_url"])
+        except ValueError as err:
+            raise ConfigError(
+                f"{err}; allowed: an http:// proxy in HTTP_PROXY / HTTPS_PROXY, or the host "
+                "in NO_PROXY",
+                source=config.source,
+                where=f"[[reward]] #{index + 1} judge.base_url",
+            ) from None
+
+    machine_check(proxy_usable)
     where = f"[[reward]] #{index + 1} judge.prompt"
     path = resolve(table["prompt"], Path(config.source).parent)
     machine_check(partial(require_file, config, path, "a Jinja template file", where))

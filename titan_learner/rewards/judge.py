@@ -5,7 +5,9 @@ expression with one group takes the score out of the reply.
 Requests run `concurrency` at a time in threads (they wait on the network, not the CPU). Each
 request must be over within `timeout_s` (connect, send and the whole reply: a total deadline,
 rewards.deadline_post) and gets at most `retries` more tries (connection errors, timeouts, 5xx),
-with a short backoff, so a judge that is down or slow costs a bounded time per completion. A
+with a short backoff, so a judge that is down or slow costs a bounded time per completion. The
+proxy variables (HTTPS_PROXY, HTTP_PROXY, NO_PROXY) are honoured as urllib does
+(rewards.proxy_route), read once when the judge is built; the deadline covers the proxy too. A
 token (`api_key_env`: a hosted API, vLLM's `--api-key`, `titan-learner serve`) is read from the
 environment, never from the config file. A reply that does not parse, or a request that still
 fails, is an error of that completion, handled by the reward's `on_error`; every raw reply is
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_learner.rewards.deadline_post import HTTPStatusError, post_within
+from titan_learner.rewards.proxy_route import proxy_for
 
 JUDGE_KEYS = {
     "base_url": "http(s)://host:port/v1",
@@ -70,6 +73,10 @@ class Judge:
         self.pattern = re.compile(settings.parse, re.DOTALL)
         self.answer_key = answer_key
         self.url = settings.base_url.rstrip("/") + "/chat/completions"
+        self.proxy = proxy_for(self.url)
+        self.request_label = f"POST {self.url}" + (
+            f" via proxy {self.proxy.address}" if self.proxy else ""
+        )
         self.headers = {"Content-Type": "application/json"}
         if settings.api_key_env:
             self.headers["Authorization"] = f"Bearer {os.environ[settings.api_key_env]}"
@@ -114,16 +121,20 @@ class Judge:
             if attempt:
                 time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
             try:
-                answer = json.loads(post_within(self.url, body, self.headers, timeout_s))
+                answer = json.loads(
+                    post_within(self.url, body, self.headers, timeout_s, self.proxy)
+                )
                 return answer["choices"][0]["message"]["content"] or "", ""
             except HTTPStatusError as err:
-                failure = f"POST {self.url}: {err}"
+                failure = f"{self.request_label}: {err}"
                 if err.code < 500:
                     break  # a request the endpoint refuses will not pass on a retry
             except (OSError, http.client.HTTPException) as err:  # TimeoutError is an OSError
-                failure = f"POST {self.url}: {type(err).__name__}: {err}"
+                failure = f"{self.request_label}: {type(err).__name__}: {err}"
             except (ValueError, KeyError, IndexError) as err:
-                failure = f"POST {self.url}: not a chat completion ({type(err).__name__}: {err})"
+                failure = (
+                    f"{self.request_label}: not a chat completion ({type(err).__name__}: {err})"
+                )
                 break
         tries = attempt + 1
         return None, f"{failure} ({tries} tr{'y' if tries == 1 else 'ies'})"
