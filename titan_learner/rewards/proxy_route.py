@@ -6,6 +6,11 @@ urllib's: the proxy of the URL's scheme, unless NO_PROXY names the host (a name,
 suffix, host:port, or `*`). rewards.deadline_post then speaks plain HTTP to the proxy: an
 absolute URL for an http target, a CONNECT tunnel for an https one (TLS end to end with the
 target, its certificate checked against the target's name).
+
+Where this differs from urllib, it is to be plain: a proxy URL must be http:// (urllib would
+speak TLS to an https:// one for an http target and plain HTTP for an https target, and fail
+obscurely on socks5://), a proxy without a port is on 80 (urllib: 80 or 443, by the target's
+scheme), and a user without a password still sends Proxy-Authorization.
 """
 
 from __future__ import annotations
