@@ -72,8 +72,8 @@ def main() -> int:
     parser.add_argument("--server", default=None, help="a running server of the same config")
     args = parser.parse_args()
     config = config_from_arguments(args)
-    from titan_learner.rollout.vllm import VLLMGenerator
     from titan_learner.vllm.engine_sink import VLLMEngineSink
+    from titan_learner.vllm.generator import VLLMGenerator
 
     learner = LocalLearner(config)
     spec = hf_config(learner.spec)

@@ -71,7 +71,7 @@ def engine_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(engine_dir):
     """A VLLMGenerator on `engine_dir`; on CPU its weight transfer is gloo."""
-    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.generator import VLLMGenerator
 
     generator = VLLMGenerator(
         str(engine_dir),
@@ -230,8 +230,8 @@ def test_an_engine_sink_on_a_users_llm_takes_over_its_weight_transfer(learner, e
 
 def test_an_engine_that_does_not_start_is_one_line_naming_what_sizes_it(engine_dir):
     """vLLM's engine process logs why; the job's error must say what to change, in one line."""
-    from titan_learner.rollout.vllm import VLLMGenerator
     from titan_learner.vllm.errors import EngineStartError
+    from titan_learner.vllm.generator import VLLMGenerator
 
     with pytest.raises(EngineStartError) as caught:
         VLLMGenerator(

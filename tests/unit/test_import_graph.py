@@ -103,4 +103,4 @@ def test_config_is_the_bottom_floor():
 def test_the_graph_sees_imports_inside_functions():
     """A check on a graph that missed lazy imports could not fail: the job's lazy imports of
     the vLLM family must be in it."""
-    assert "titan_learner.rollout.vllm" in import_graph()["titan_learner.job.grpo"]
+    assert "titan_learner.vllm.build" in import_graph()["titan_learner.job.grpo"]

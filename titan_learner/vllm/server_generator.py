@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from titan_learner.rollout.base import Rollout, _check_special_ids, eos_id_set, rollout_from_lists
-from titan_learner.rollout.vllm import request_sampling
 from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.generator import request_sampling
 from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
