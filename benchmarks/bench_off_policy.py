@@ -1,9 +1,9 @@
 """One-step off-policy GRPO against the synchronous loop, on the embedded default.
 
-    python scripts/bench_off_policy.py [--off-policy-steps 1] [--target 0.9] [--steps 300]
+    python benchmarks/bench_off_policy.py [--off-policy-steps 1] [--target 0.9] [--steps 300]
 
 Runs configs/toy_grpo.toml through `titan_learner.job.grpo.run` three times in this process, as
-`scripts/bench_job.py` runs it (checkpoints every 50 steps, no evaluation): with
+`benchmarks/bench_job.py` runs it (checkpoints every 50 steps, no evaluation): with
 `[rollout] max_off_policy_steps = 0` (sample, train, push, in turn), with `= k` (a thread
 samples the next steps while the learner trains, from weights at most k versions old), and
 with `= k` and `stale_logprob_mismatch = false` (no kept weights, no scoring forward on stale

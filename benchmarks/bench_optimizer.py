@@ -1,9 +1,9 @@
 """The optimizer's step on the learner's own sharded parameters: the learner's (local shards)
 against torch's own on the DTensors, and fused against foreach.
 
-    python scripts/bench_optimizer.py --config FILE [--set section.key=value ...]
+    python benchmarks/bench_optimizer.py --config FILE [--set section.key=value ...]
         [--steps N] [--warmup N]
-    torchrun --nproc-per-node N scripts/bench_optimizer.py --config FILE ...
+    torchrun --nproc-per-node N benchmarks/bench_optimizer.py --config FILE ...
 
 `[optimizer] implementation = "auto"` means torch's fused Adam/AdamW kernels on CUDA and
 `foreach` on a CPU, where the fused ones run too. The learner's Adam and AdamW step each
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if learner.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # as torchrun does (see scripts/bench_step.py)
+        torch.set_num_threads(1)  # as torchrun does (see benchmarks/bench_step.py)
     generator = torch.Generator().manual_seed(config.run.seed + learner.data_parallel_rank)
     for p in learner.model.parameters():  # the same gradients for all three, every step
         p.grad = torch.zeros_like(p)

@@ -1,6 +1,6 @@
 """The KL reference's forward with shared prompts against scoring every token of every row.
 
-    python scripts/bench_reference.py --config FILE [--set section.key=value ...]
+    python benchmarks/bench_reference.py --config FILE [--set section.key=value ...]
         [--groups N] [--group-size G] [--steps N] [--warmup N]
 
 With `[loss] kl_to_ref_coeff` the job scores every micro-batch under the frozen reference model

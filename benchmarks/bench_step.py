@@ -1,8 +1,8 @@
 """Step time of the learner against a bare TorchTitan training step on the same sharded model.
 
-    python scripts/bench_step.py --config FILE [--set section.key=value ...] [--steps N] [--warmup N]
+    python benchmarks/bench_step.py --config FILE [--set section.key=value ...] [--steps N] [--warmup N]
         [--group-size G]
-    torchrun --nproc-per-node N scripts/bench_step.py --config FILE ...
+    torchrun --nproc-per-node N benchmarks/bench_step.py --config FILE ...
 
 `--group-size G` makes the batches rollout-shaped (groups of G rows sharing a prompt, each
 response its own length); with `--set learner.share_prompts=true` the learner's phases run each

@@ -1,6 +1,6 @@
 """Token-budget micro-batches against one padded batch, on a realistic mix of lengths.
 
-    python scripts/bench_microbatch.py [--config FILE] [--set section.key=value ...]
+    python benchmarks/bench_microbatch.py [--config FILE] [--set section.key=value ...]
         [--rows N] [--budget TOKENS] [--steps N] [--warmup N]
 
 The batch is what a GRPO rollout of a reasoning task looks like: prompts of 30-300 tokens

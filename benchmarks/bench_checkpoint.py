@@ -1,7 +1,7 @@
 """Checkpoint throughput against torch.save/torch.load, and how long an async save blocks training.
 
-    python scripts/bench_checkpoint.py [--config FILE] [--set section.key=value ...] [--repeats N]
-    torchrun --nproc-per-node N scripts/bench_checkpoint.py ...
+    python benchmarks/bench_checkpoint.py [--config FILE] [--set section.key=value ...] [--repeats N]
+    torchrun --nproc-per-node N benchmarks/bench_checkpoint.py ...
 
 The model is `--config` (default configs/debug.toml) resized by `--set` overrides; the defaults
 below make a ~7 M-parameter llama3 whose checkpoint (weights + two AdamW moments) is ~90 MB.

@@ -1,6 +1,6 @@
 """Peak memory of GRPO token log-probs + backward: dense [B, T, V] logits against chunked.
 
-    python scripts/bench_logprobs.py [--vocab 151936] [--batch 2] [--seq-len 2048] [--dim 1024]
+    python benchmarks/bench_logprobs.py [--vocab 151936] [--batch 2] [--seq-len 2048] [--dim 1024]
                                      [--chunk-size 512] [--entropy] [--device auto] [--json]
 
 What runs is the project's own path after the decoder: TitanPolicy (dense, or chunked with

@@ -1,7 +1,7 @@
 """Weight export benchmark: throughput against a plain copy, streaming memory against model size.
 
-    python scripts/bench_weights.py [--config FILE] [--set k=v ...] [--bucket-mb N] [--json]
-    torchrun --nproc-per-node 4 scripts/bench_weights.py --set parallelism.dp_shard=2 ...
+    python benchmarks/bench_weights.py [--config FILE] [--set k=v ...] [--bucket-mb N] [--json]
+    torchrun --nproc-per-node 4 benchmarks/bench_weights.py --set parallelism.dp_shard=2 ...
 
 Throughput: one full export (gather, HF rename, cast, copy to CPU, checksum on rank 0) against
 the baseline of copying the same bytes with `Tensor.copy_` in the same process: the ratio is what

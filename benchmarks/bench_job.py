@@ -1,6 +1,6 @@
 """The whole GRPO job against the simplest alternative a user could write, on the embedded default.
 
-    python scripts/bench_job.py [--target 0.9] [--steps 300] [--seed 0 [1 2 ...]]
+    python benchmarks/bench_job.py [--target 0.9] [--steps 300] [--seed 0 [1 2 ...]]
 
 (a) job: configs/toy_grpo.toml through `titan_learner.job.grpo.run`, as a user runs it
     (checkpoints every 50 steps, metrics, TensorBoard, curves), without evaluation (the plain

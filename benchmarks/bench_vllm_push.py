@@ -1,6 +1,6 @@
 """Weight push into a real vLLM engine against the in-process push of the embedded generator.
 
-    python scripts/bench_vllm_push.py --set model.overrides.vocab_size=8192 \\
+    python benchmarks/bench_vllm_push.py --set model.overrides.vocab_size=8192 \\
         --set model.overrides.dim=512 --set model.overrides.n_layers=4 \\
         --set model.overrides.n_heads=8 --set model.overrides.n_kv_heads=4 \\
         --set model.overrides.hidden_dim=1536

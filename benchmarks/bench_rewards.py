@@ -1,6 +1,6 @@
 """Reward scoring: the math reward over 1 and over N worker processes, and a reward model's rows/s.
 
-    python scripts/bench_rewards.py [--completions 4096] [--workers 2] [--repeats 3]
+    python benchmarks/bench_rewards.py [--completions 4096] [--workers 2] [--repeats 3]
         [--reward-model DIR] [--rows 256] [--batch-size 16] [--max-length 512]
 
 math: `[[reward]] function = "math"` (math-verify) on GSM8K-shaped completions of varied
