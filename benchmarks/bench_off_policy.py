@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_job import describe, run_job
+from result_file import add_result_argument, write_result
 
 
 def main() -> int:
@@ -30,6 +31,7 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    add_result_argument(parser, "off_policy")
     args = parser.parse_args()
     k = args.off_policy_steps
     runs = {
@@ -47,6 +49,13 @@ def main() -> int:
     for name, result in results.items():
         print(f"{describe(name, result, args.target)}  {result['tokens_per_s']:,.0f} tokens/s")
     sync, ahead, bare = results.values()
+    write_result(
+        args.result_json,
+        benchmark=f"{'one step' if k == 1 else f'{k} steps'} off-policy vs synchronous",
+        metric=f"tokens/s, k={k} / k=0",
+        ratio=f"{ahead['tokens_per_s'] / sync['tokens_per_s']:.2f}",
+        details={"runs": results},
+    )
     print(f"ratio k/sync (tokens/s): {ahead['tokens_per_s'] / sync['tokens_per_s']:.2f}")
     print(
         "ratio k without/with the stale mismatch (tokens/s): "

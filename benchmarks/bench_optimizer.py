@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from result_file import add_result_argument, write_result
 from torch.distributed.tensor import DTensor
 
 from titan_learner.cli import add_config_arguments
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_config_arguments(parser)
     parser.add_argument("--steps", type=int, default=50, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    add_result_argument(parser, "optimizer")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -129,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"one step from the same weights, {a} against {b}: largest difference {gap:.1e}")
         print(f"ratio foreach/{BASELINE}: {medians['foreach'] / medians[BASELINE]:.2f}")
         print(f"ratio fused/foreach: {medians['fused'] / medians['foreach']:.2f}")
+        write_result(
+            args.result_json,
+            benchmark="optimizer: fused vs foreach",
+            metric="step time, fused / foreach",
+            ratio=f"{medians['fused'] / medians['foreach']:.2f} ({params / 1e6:.2f} M)",
+            details={"ms_per_step": {k: v * 1e3 for k, v in medians.items()}, "params": params},
+        )
     dist.destroy_process_group()
     return 0
 

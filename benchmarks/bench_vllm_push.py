@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_file import add_result_argument, write_result
 
 from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.local import LocalLearner
@@ -70,6 +71,7 @@ def main() -> int:
     add_config_arguments(parser, default="configs/debug.toml")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--server", default=None, help="a running server of the same config")
+    add_result_argument(parser, "vllm_push")
     args = parser.parse_args()
     config = config_from_arguments(args)
     from titan_learner.vllm.engine_sink import VLLMEngineSink
@@ -113,6 +115,13 @@ def main() -> int:
         )
     for name, seconds in latency.items():
         print(f"{name:6s} first token after an update: {seconds * 1e3:.1f} ms")
+    write_result(
+        args.result_json,
+        benchmark=f"weight push into vLLM ({model_bytes / 2**20:.0f} MiB)",
+        metric="time, vLLM RL API / in-process copy",
+        ratio=f"{results['vllm'] / results['hf']:.2f}",
+        details={"push_s": results, "first_token_s": latency, "model_bytes": model_bytes},
+    )
     return 0
 
 
