@@ -216,7 +216,7 @@ def vllm_transfer(device: str, transfer: str, sleep_level: int = 0) -> int:
     from titan_learner.learner.local import LocalLearner
     from titan_learner.model.hf_config import hf_config
     from titan_learner.rollout.hf import HFGenerator
-    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.generator import VLLMGenerator
     from titan_learner.weights.sinks import GeneratorSink, SafetensorsDirSink, push_weights
 
     start = time.perf_counter()

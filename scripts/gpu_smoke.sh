@@ -14,7 +14,7 @@
 #            fits the carry, so its GPU paths, NCCL sink refusal and engine placement, stay
 #            untested there)
 #   parity   3 GRPO updates of one model on CUDA against the CPU reference (fp32, TF32 off)
-#   step     scripts/bench_step.py, a ~190M model in bf16 with flex attention and compile: the
+#   step     benchmarks/bench_step.py, a ~190M model in bf16 with flex attention and compile: the
 #            learner/bare-TorchTitan ratio
 #   job      20 steps of the embedded default on CUDA, through `titan_learner train`
 #   job_k1   the same one step off-policy: the log-prob mismatch on every step, tokens/s
@@ -78,7 +78,7 @@ if ((${#failed[@]})); then
 fi
 check parity 60 "$PYTHON" scripts/gpu_smoke.py parity
 # Values are TOML (titan_learner.config.apply_overrides): strings keep their double quotes.
-check step 200 "$PYTHON" scripts/bench_step.py --config configs/debug.toml \
+check step 200 "$PYTHON" benchmarks/bench_step.py --config configs/debug.toml \
     --set 'model.attention="flex"' --set 'parallelism.param_dtype="bfloat16"' \
     --set model.overrides.dim=1024 --set model.overrides.n_layers=8 \
     --set model.overrides.n_heads=16 --set model.overrides.n_kv_heads=8 \

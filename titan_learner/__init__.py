@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from titan_learner.lazy_vllm import defer_vllm_import
 from titan_learner.noise import quiet_dependencies
+from titan_learner.vllm.lazy_import import defer_vllm_import
 
 quiet_dependencies()
 defer_vllm_import()
@@ -53,7 +53,7 @@ _EXPORTS = {
     "GeneratorSink": "titan_learner.weights.sinks",
     "HFModelSink": "titan_learner.weights.sinks",
     "SafetensorsDirSink": "titan_learner.weights.sinks",
-    "VLLMSink": "titan_learner.weights.vllm",
+    "VLLMSink": "titan_learner.vllm.torchrl_sink",
     "VLLMEngineSink": "titan_learner.vllm.engine_sink",
     "WeightsError": "titan_learner.weights.matching",
     "WeightsManifest": "titan_learner.weights.export",
@@ -137,6 +137,7 @@ if TYPE_CHECKING:
     from titan_learner.learner.local import LocalLearner
     from titan_learner.learner.titan import TitanLearner
     from titan_learner.vllm.engine_sink import VLLMEngineSink
+    from titan_learner.vllm.torchrl_sink import VLLMSink
     from titan_learner.weights.export import WeightsManifest
     from titan_learner.weights.matching import WeightsError
     from titan_learner.weights.sinks import (
@@ -147,4 +148,3 @@ if TYPE_CHECKING:
         WeightSink,
         push_weights,
     )
-    from titan_learner.weights.vllm import VLLMSink

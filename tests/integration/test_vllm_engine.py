@@ -71,7 +71,7 @@ def engine_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(engine_dir):
     """A VLLMGenerator on `engine_dir`; on CPU its weight transfer is gloo."""
-    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.generator import VLLMGenerator
 
     generator = VLLMGenerator(
         str(engine_dir),
@@ -198,7 +198,7 @@ def test_a_sleeping_engine_gives_its_gpu_back_between_rollouts_and_serves_each_p
 ):
     """sleep_level 1: asleep after start and after every rollout (weights in host memory, no
     KV cache); a push wakes the weights, a rollout the KV cache; what it serves is unchanged."""
-    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.generator import VLLMGenerator
 
     engine = VLLMGenerator(
         str(engine_dir),
@@ -265,8 +265,8 @@ def test_an_engine_sink_on_a_users_llm_takes_over_its_weight_transfer(learner, e
 
 def test_an_engine_that_does_not_start_is_one_line_naming_what_sizes_it(engine_dir):
     """vLLM's engine process logs why; the job's error must say what to change, in one line."""
-    from titan_learner.rollout.vllm import VLLMGenerator
     from titan_learner.vllm.errors import EngineStartError
+    from titan_learner.vllm.generator import VLLMGenerator
 
     with pytest.raises(EngineStartError) as caught:
         VLLMGenerator(

@@ -2,7 +2,7 @@
 
 Its effect is a speed one (a step reuses the pages the last one touched instead of faulting in
 fresh mappings: the embedded default's update 0.25 -> 0.18 s a step), measured by
-scripts/bench_job.py, not here: glibc's own thresholds move with each process's allocation
+benchmarks/bench_job.py, not here: glibc's own thresholds move with each process's allocation
 history, so a page-fault count in a test would be flaky, not a check.
 """
 

@@ -1,14 +1,18 @@
 """The house's floors, checked on the import graph of the package's source (every import
 statement, also inside functions; annotations under TYPE_CHECKING do not run and are left
-out): no module imports another that imports it back, however far round, and config/ is
-the bottom floor: it imports nothing of ours outside config/."""
+out): no module imports another that imports it back, however far round, and every import
+between packages points down docs/architecture.md's table of floors, which is this test's
+source (config/ the bottom floor: it imports nothing of ours outside config/). The doc's
+module map names every module."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "titan_learner"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def module_name(path: Path) -> str:
@@ -103,4 +107,69 @@ def test_config_is_the_bottom_floor():
 def test_the_graph_sees_imports_inside_functions():
     """A check on a graph that missed lazy imports could not fail: the job's lazy imports of
     the vLLM family must be in it."""
-    assert "titan_learner.rollout.vllm" in import_graph()["titan_learner.job.grpo"]
+    assert "titan_learner.vllm.build" in import_graph()["titan_learner.job.grpo"]
+
+
+def unit(module: str) -> str:
+    """The package (or top-level module) a module belongs to: its floor's name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def floors() -> dict[str, int]:
+    """docs/architecture.md's table of floors: package or module name -> floor."""
+    lines = ARCHITECTURE.read_text().splitlines()
+    start = lines.index("| floor | packages and modules | what they are |")
+    table: dict[str, int] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        floor, names = line.split(" | ")[:2]
+        for name in re.findall(r"`([\w.]+)`", names):
+            assert name not in table, f"{name} is on two floors"
+            table[name] = int(floor.removeprefix("| "))
+    return table
+
+
+def test_the_floors_table_names_every_package():
+    units = {unit(module) for module in import_graph()}
+    assert set(floors()) == units, "docs/architecture.md's floors must name each package once"
+
+
+def test_every_import_between_packages_points_down():
+    floor = floors()
+    upward = sorted(
+        f"{name} -> {target} (floor {floor[unit(name)]} -> {floor[unit(target)]})"
+        for name, targets in import_graph().items()
+        for target in targets
+        if unit(name) != unit(target) and floor[unit(target)] >= floor[unit(name)]
+    )
+    assert upward == [], "imports that do not point down docs/architecture.md's floors"
+
+
+def test_config_weights_and_rollout_import_neither_job_nor_vllm():
+    """Issue 40's done-when, said plainly (the floors imply it)."""
+    upward = {
+        (name, target)
+        for name, targets in import_graph().items()
+        if unit(name) in {"config", "weights", "rollout"}
+        for target in targets
+        if unit(target) in {"job", "vllm"}
+    }
+    assert upward == set()
+
+
+def test_the_module_map_names_every_module():
+    """Each module by its path under titan_learner/ (or its folder's row, as `rollout/`);
+    packages' __init__.py files are their folders."""
+    text = ARCHITECTURE.read_text()
+    module_map = text[text.index("## Module map") :].split("\n## ")[0]
+    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", module_map))
+    unnamed = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py"
+        and str(path.relative_to(PACKAGE)) not in named
+        and f"{path.relative_to(PACKAGE).parts[0]}/" not in named
+    )
+    assert unnamed == [], "add a row to docs/architecture.md's module map"

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from titan_learner.rollout.vllm import (
+from titan_learner.vllm.generator import (
     check_vllm_sampling,
     engine_gpu,
     request_seeds,

@@ -1,4 +1,4 @@
-"""The vLLM sinks (titan_learner.weights.vllm), without an engine.
+"""The vLLM sinks (titan_learner.vllm.torchrl_sink), without an engine.
 
 Argument checks, the engine metadata, dtype casting, manifest verification, and the flat
 mapping handed to a real TorchRL sender (`VLLMDoubleBufferWeightSender`, the same
@@ -20,15 +20,15 @@ from torchrl.weight_update.weight_sync_schemes import WeightStrategy
 from tests.support.models import batches, hf_model, learner_logits, tiny_config, tokens
 from titan_learner.learner.local import LocalLearner
 from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
-from titan_learner.weights.matching import WeightsError
-from titan_learner.weights.sinks import push_weights
-from titan_learner.weights.vllm import (
+from titan_learner.vllm.torchrl_sink import (
     VLLMSink,
     check_engine_dtype,
     engine_metadata,
     engine_weights,
     torchrl_nccl_problem,
 )
+from titan_learner.weights.matching import WeightsError
+from titan_learner.weights.sinks import push_weights
 
 F32, BF16 = torch.float32, torch.bfloat16
 BUCKET = 16 * 1024

@@ -179,12 +179,12 @@ def test_a_real_directory_is_never_overwritten(tmp_path):
 
 
 def test_streaming_peak_memory_is_about_one_bucket():
-    """scripts/bench_weights.py measures RSS growth while a ~80 MB model is exported."""
+    """benchmarks/bench_weights.py measures RSS growth while a ~80 MB model is exported."""
     sets = {"vocab_size": 8192, "dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4}
     args = [arg for k, v in sets.items() for arg in ("--set", f"model.overrides.{k}={v}")]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     result = subprocess.run(
-        [sys.executable, "scripts/bench_weights.py", *args, "--bucket-mb", "4", "--json"],
+        [sys.executable, "benchmarks/bench_weights.py", *args, "--bucket-mb", "4", "--json"],
         capture_output=True,
         text=True,
         env=env,

@@ -11,7 +11,7 @@ in a weight or an optimizer moment is caught and named (step, file, key) and not
 Cost: no file is read again to hash it. A save hashes the bytes it holds in memory (4-5 ms for
 the 88 MB of a 7 M-parameter state, 0.06 x the save); a load hashes the mapped records before
 it copies any (~4 ms there: a verified load took 1.1-1.2 x an unverified one, which is 4x
-faster than it was). scripts/bench_checkpoint.py measures both; docs/performance.md has the
+faster than it was). benchmarks/bench_checkpoint.py measures both; docs/performance.md has the
 numbers.
 """
 

@@ -54,8 +54,8 @@ def engine_memory(config: Config, v: Validated) -> tuple[int, str | None]:
     if config.rollout.generator != "vllm" or engine.get("servers"):
         return 0, None
     if v.device_type == "cpu":
-        from titan_learner.job.vllm_checks import engine_rows
         from titan_learner.model.hf_config import learner_hf_config
+        from titan_learner.vllm.checks import engine_rows
         from titan_learner.vllm.engine_memory import job_engine_memory
 
         rows = engine_rows(config, v.dp_replicate * v.dp_shard)

@@ -400,10 +400,10 @@ class RunSection:
     """Where the run writes metrics.jsonl, samples.jsonl, eval/, checkpoints/ and
     curves.png; the run owns it while it runs (a lock)."""
     batch_size: int = field(default=8, metadata=POSITIVE)
-    """Sequences per rank per update of the benchmarks' synthetic batches (scripts/bench_*.py);
+    """Sequences per rank per update of the benchmarks' synthetic batches (benchmarks/bench_*.py);
     the GRPO job sizes its batches from [rollout]."""
     seq_len: int = field(default=32, metadata={"min": 2})
-    """Longest row of the benchmarks' synthetic batches (scripts/bench_*.py), and TorchTitan's
+    """Longest row of the benchmarks' synthetic batches (benchmarks/bench_*.py), and TorchTitan's
     TrainingConfig.seq_len; the GRPO job sizes its rows from [data] and [rollout]."""
     log_samples_every: int = field(default=10, metadata=NON_NEGATIVE)
     """Every N steps, a few (prompt, completion, rewards) rows to samples.jsonl (0: never)."""

@@ -18,11 +18,11 @@ from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.schema import Config, RewardSection
 from titan_learner.data.errors import DataError
 from titan_learner.data.files import read_rows, resolve
-from titan_learner.job.vllm_checks import check_vllm_machine, check_vllm_structure
 from titan_learner.job.wandb_run import require_wandb
 from titan_learner.rewards.builtins import BUILTINS
 from titan_learner.rewards.loading import RewardLoadError, load_function
 from titan_learner.rewards.runner import reward_name
+from titan_learner.vllm.checks import check_vllm_machine, check_vllm_structure
 
 KEY_CHECK_ROWS = 5
 

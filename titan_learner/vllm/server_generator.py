@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from titan_learner.rollout.base import Rollout, _check_special_ids, eos_id_set, rollout_from_lists
-from titan_learner.rollout.vllm import request_sampling
 from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.generator import request_sampling
 from titan_learner.vllm.push_gate import PUSH_WAIT_S, PushGate
 from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup

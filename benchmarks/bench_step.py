@@ -1,8 +1,8 @@
 """Step time of the learner against a bare TorchTitan training step on the same sharded model.
 
-    python scripts/bench_step.py --config FILE [--set section.key=value ...] [--steps N] [--warmup N]
+    python benchmarks/bench_step.py --config FILE [--set section.key=value ...] [--steps N] [--warmup N]
         [--group-size G]
-    torchrun --nproc-per-node N scripts/bench_step.py --config FILE ...
+    torchrun --nproc-per-node N benchmarks/bench_step.py --config FILE ...
 
 `--group-size G` makes the batches rollout-shaped (groups of G rows sharing a prompt, each
 response its own length); with `--set learner.share_prompts=true` the learner's phases run each
@@ -65,6 +65,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from result_file import add_result_argument, default_path, write_result
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -110,6 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="G > 1: rollout-shaped batches, groups of G rows sharing a prompt (for "
         "[learner] share_prompts); 1: independent rows",
     )
+    add_result_argument(parser, "step")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.group_size < 1:
         parser.error("--steps must be >= 1, --warmup >= 0 and --group-size >= 1")
@@ -407,10 +409,39 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ]
         print("\n".join(lines))
+        write_step_result(args, config, times, params, caps)
         if skipped:
             print(f"warning: the learner skipped {skipped} non-finite step(s)", file=sys.stderr)
     dist.destroy_process_group()
     return 0
+
+
+def write_step_result(args, config, times: dict[str, float], params: int, caps) -> None:
+    """The run's row of docs/performance.md's table: the shared-prompts row when the learner
+    shares prompts, else the step's."""
+    ratio = f"{times['learner'] / times['baseline']:.2f}"
+    details = {"ms_per_step": {k: v * 1e3 for k, v in times.items()}, "params": params}
+    details |= {"world_size": caps.world_size, "tensor_parallel": caps.tensor_parallel_size}
+    if config.learner.share_prompts:
+        path = args.result_json
+        if path == default_path("step"):
+            path = default_path("shared_prompts")
+        write_result(
+            path,
+            benchmark="shared prompts (`[learner] share_prompts`)",
+            metric=f"step time on {config.run.batch_size // args.group_size} groups x "
+            f"{args.group_size}, learner / TorchTitan step on unshared rows",
+            ratio=ratio,
+            details=details,
+        )
+        return
+    write_result(
+        args.result_json,
+        benchmark="learner step vs a bare TorchTitan step",
+        metric="step time, learner / baseline",
+        ratio=f"{ratio} ({params / 1e6:.2f} M params, {caps.world_size} process(es))",
+        details=details,
+    )
 
 
 def rollout_shaped(

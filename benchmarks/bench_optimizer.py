@@ -1,9 +1,9 @@
 """The optimizer's step on the learner's own sharded parameters: the learner's (local shards)
 against torch's own on the DTensors, and fused against foreach.
 
-    python scripts/bench_optimizer.py --config FILE [--set section.key=value ...]
+    python benchmarks/bench_optimizer.py --config FILE [--set section.key=value ...]
         [--steps N] [--warmup N]
-    torchrun --nproc-per-node N scripts/bench_optimizer.py --config FILE ...
+    torchrun --nproc-per-node N benchmarks/bench_optimizer.py --config FILE ...
 
 `[optimizer] implementation = "auto"` means torch's fused Adam/AdamW kernels on CUDA and
 `foreach` on a CPU, where the fused ones run too. The learner's Adam and AdamW step each
@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from result_file import add_result_argument, write_result
 from torch.distributed.tensor import DTensor
 
 from titan_learner.cli import add_config_arguments
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_config_arguments(parser)
     parser.add_argument("--steps", type=int, default=50, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    add_result_argument(parser, "optimizer")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if learner.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # as torchrun does (see scripts/bench_step.py)
+        torch.set_num_threads(1)  # as torchrun does (see benchmarks/bench_step.py)
     generator = torch.Generator().manual_seed(config.run.seed + learner.data_parallel_rank)
     for p in learner.model.parameters():  # the same gradients for all three, every step
         p.grad = torch.zeros_like(p)
@@ -129,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"one step from the same weights, {a} against {b}: largest difference {gap:.1e}")
         print(f"ratio foreach/{BASELINE}: {medians['foreach'] / medians[BASELINE]:.2f}")
         print(f"ratio fused/foreach: {medians['fused'] / medians['foreach']:.2f}")
+        write_result(
+            args.result_json,
+            benchmark="optimizer: fused vs foreach",
+            metric="step time, fused / foreach",
+            ratio=f"{medians['fused'] / medians['foreach']:.2f} ({params / 1e6:.2f} M)",
+            details={"ms_per_step": {k: v * 1e3 for k, v in medians.items()}, "params": params},
+        )
     dist.destroy_process_group()
     return 0
 

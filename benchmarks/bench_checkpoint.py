@@ -1,7 +1,7 @@
 """Checkpoint throughput against torch.save/torch.load, and how long an async save blocks training.
 
-    python scripts/bench_checkpoint.py [--config FILE] [--set section.key=value ...] [--repeats N]
-    torchrun --nproc-per-node N scripts/bench_checkpoint.py ...
+    python benchmarks/bench_checkpoint.py [--config FILE] [--set section.key=value ...] [--repeats N]
+    torchrun --nproc-per-node N benchmarks/bench_checkpoint.py ...
 
 The model is `--config` (default configs/debug.toml) resized by `--set` overrides; the defaults
 below make a ~7 M-parameter llama3 whose checkpoint (weights + two AdamW moments) is ~90 MB.
@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from result_file import add_result_argument, write_result
 
 from titan_learner import checkpoint
 from titan_learner.allocator import keep_freed_memory
@@ -80,6 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_config_arguments(parser, default="configs/debug.toml")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of each")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
+    add_result_argument(parser, "checkpoint")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -216,6 +218,19 @@ def report(times: dict[str, list[float]], nbytes: int, learner: TitanLearner, ar
     return "\n".join(rows)
 
 
+def write_checkpoint_result(path, times: dict[str, list[float]], nbytes: int, learner) -> None:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    params = sum(p.numel() for p in learner.model.parameters())
+    write_result(
+        path,
+        benchmark=f"checkpoints ({params / 1e6:.0f} M params)",
+        metric="throughput vs torch.save / torch.load",
+        ratio=f"save {med['torch.save'] / med['save']:.2f}, load "
+        f"{med['torch.load'] / med['load']:.2f}; async save blocks {med['async']:.2f} s",
+        details={"median_s": med, "state_bytes_per_rank": nbytes},
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     keep_freed_memory()  # every timed operation reuses pages earlier ones touched
@@ -240,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch[0], ignore_errors=True)
     if rank0:
         print(report(times, nbytes, learner, args))
+        write_checkpoint_result(args.result_json, times, nbytes, learner)
     dist.destroy_process_group()
     return 0
 

@@ -1,7 +1,7 @@
 """Weight export benchmark: throughput against a plain copy, streaming memory against model size.
 
-    python scripts/bench_weights.py [--config FILE] [--set k=v ...] [--bucket-mb N] [--json]
-    torchrun --nproc-per-node 4 scripts/bench_weights.py --set parallelism.dp_shard=2 ...
+    python benchmarks/bench_weights.py [--config FILE] [--set k=v ...] [--bucket-mb N] [--json]
+    torchrun --nproc-per-node 4 benchmarks/bench_weights.py --set parallelism.dp_shard=2 ...
 
 Throughput: one full export (gather, HF rename, cast, copy to CPU, checksum on rank 0) against
 the baseline of copying the same bytes with `Tensor.copy_` in the same process: the ratio is what
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from result_file import add_result_argument, write_result
 
 from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.titan import TitanLearner
@@ -64,6 +65,7 @@ def main() -> int:
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    add_result_argument(parser, "weights")
     args = parser.parse_args()
     config = config_from_arguments(args)
     learner = TitanLearner.from_config(config)
@@ -98,6 +100,14 @@ def main() -> int:
                 print(
                     f"{key:>26}: {value:.4g}" if isinstance(value, float) else f"{key:>26}: {value}"
                 )
+        write_result(
+            args.result_json,
+            benchmark=f"weight export ({model_bytes / MIB:.0f} MiB)",
+            metric="time, streamed export / plain copy",
+            ratio=f"{export_s / copy_s:.2f} ({dist.get_world_size()} rank(s)); peak "
+            f"{streamed / model_bytes:.2f} x the model",
+            details=result,
+        )
     dist.destroy_process_group()
     return 0
 

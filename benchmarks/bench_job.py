@@ -1,6 +1,6 @@
 """The whole GRPO job against the simplest alternative a user could write, on the embedded default.
 
-    python scripts/bench_job.py [--target 0.9] [--steps 300] [--seed 0 [1 2 ...]]
+    python benchmarks/bench_job.py [--target 0.9] [--steps 300] [--seed 0 [1 2 ...]]
 
 (a) job: configs/toy_grpo.toml through `titan_learner.job.grpo.run`, as a user runs it
     (checkpoints every 50 steps, metrics, TensorBoard, curves), without evaluation (the plain
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_file import add_result_argument, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "configs" / "toy_grpo.toml"
@@ -223,6 +224,7 @@ def main() -> int:
         help="one seed, or several: each runs both (same seed for the two), and the ratio is "
         "then over all of them (the steps a trajectory takes to the target vary by tens)",
     )
+    add_result_argument(parser, "job")
     args = parser.parse_args()
     results = []
     for seed in args.seed:
@@ -243,6 +245,13 @@ def main() -> int:
     over = f" over seeds {', '.join(map(str, args.seed))}" if len(args.seed) > 1 else ""
     print(f"per step{over}: job/plain {per_step:.2f}")
     print(f"ratio job/plain: {job_wall / plain_wall:.2f}{over}")
+    write_result(
+        args.result_json,
+        benchmark="the whole job vs a plain GRPO loop",
+        metric=f"wall time to reward {args.target}, job / plain loop",
+        ratio=f"{job_wall / plain_wall:.2f}{over}",
+        details={"per_step": per_step, "runs": results},
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Token-budget micro-batches against one padded batch, on a realistic mix of lengths.
 
-    python scripts/bench_microbatch.py [--config FILE] [--set section.key=value ...]
+    python benchmarks/bench_microbatch.py [--config FILE] [--set section.key=value ...]
         [--rows N] [--budget TOKENS] [--steps N] [--warmup N]
 
 The batch is what a GRPO rollout of a reasoning task looks like: prompts of 30-300 tokens
@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from result_file import add_result_argument, write_result
 from tensordict import TensorDict
 
 from titan_learner.cli import add_config_arguments
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=int, default=4096, help="max_tokens_per_microbatch")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    add_result_argument(parser, "microbatch")
     args = parser.parse_args(argv)
     if args.config is None:
         args.config = "configs/debug.toml"
@@ -131,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             f"positions  median {t_budget:7.2f} s/step  {per_step / t_budget:9,.0f} tokens/s\n"
             f"max |weight difference| after the steps: {gap:.1e}\n"
             f"ratio budget/padded (tokens/s): {t_padded / t_budget:.2f}"
+        )
+        write_result(
+            args.result_json,
+            benchmark="token-budget micro-batches",
+            metric="tokens/s, budget / padded",
+            ratio=f"{t_padded / t_budget:.2f}",
+            details={"s_per_step": {"padded": t_padded, "budget": t_budget}, "rows": args.rows},
         )
     dist.destroy_process_group()
     return 0

@@ -1,6 +1,6 @@
 """Weight push into a real vLLM engine against the in-process push of the embedded generator.
 
-    python scripts/bench_vllm_push.py --set model.overrides.vocab_size=8192 \\
+    python benchmarks/bench_vllm_push.py --set model.overrides.vocab_size=8192 \\
         --set model.overrides.dim=512 --set model.overrides.n_layers=4 \\
         --set model.overrides.n_heads=8 --set model.overrides.n_kv_heads=4 \\
         --set model.overrides.hidden_dim=1536
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_file import add_result_argument, write_result
 
 from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.local import LocalLearner
@@ -70,10 +71,11 @@ def main() -> int:
     add_config_arguments(parser, default="configs/debug.toml")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--server", default=None, help="a running server of the same config")
+    add_result_argument(parser, "vllm_push")
     args = parser.parse_args()
     config = config_from_arguments(args)
-    from titan_learner.rollout.vllm import VLLMGenerator
     from titan_learner.vllm.engine_sink import VLLMEngineSink
+    from titan_learner.vllm.generator import VLLMGenerator
 
     learner = LocalLearner(config)
     spec = hf_config(learner.spec)
@@ -113,6 +115,13 @@ def main() -> int:
         )
     for name, seconds in latency.items():
         print(f"{name:6s} first token after an update: {seconds * 1e3:.1f} ms")
+    write_result(
+        args.result_json,
+        benchmark=f"weight push into vLLM ({model_bytes / 2**20:.0f} MiB)",
+        metric="time, vLLM RL API / in-process copy",
+        ratio=f"{results['vllm'] / results['hf']:.2f}",
+        details={"push_s": results, "first_token_s": latency, "model_bytes": model_bytes},
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Peak memory of GRPO token log-probs + backward: dense [B, T, V] logits against chunked.
 
-    python scripts/bench_logprobs.py [--vocab 151936] [--batch 2] [--seq-len 2048] [--dim 1024]
+    python benchmarks/bench_logprobs.py [--vocab 151936] [--batch 2] [--seq-len 2048] [--dim 1024]
                                      [--chunk-size 512] [--entropy] [--device auto] [--json]
 
 What runs is the project's own path after the decoder: TitanPolicy (dense, or chunked with
@@ -30,6 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from result_file import add_result_argument, write_result
 from tensordict import TensorDict
 from torch import nn
 from torchrl.objectives.llm import GRPOLoss
@@ -165,6 +166,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--variant", choices=("dense", "chunked"), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+    add_result_argument(parser, "logprobs")
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,6 +215,17 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"args": vars(args), "dense": dense, "chunked": chunked}))
     else:
         report(args, argv, dense, chunked)
+    peak = chunked["peak_bytes"] / dense["peak_bytes"]
+    write_result(
+        args.result_json,
+        benchmark="chunked log-probs ("
+        + ("Qwen3 vocabulary" if args.vocab == 151_936 else f"vocabulary {args.vocab:,}")
+        + ")",
+        metric="peak memory, chunked / dense",
+        ratio=f"{peak:.3f} ({'with' if args.entropy else 'without'} entropy); time "
+        f"{chunked['seconds'] / dense['seconds']:.2f}",
+        details={"dense": dense, "chunked": chunked},
+    )
 
 
 if __name__ == "__main__":

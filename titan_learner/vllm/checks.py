@@ -26,7 +26,7 @@ RESERVED_ENGINE_KEYS = {
 def check_vllm_structure(config: Config) -> None:
     """What the file alone decides: an engine model directory (the servers have theirs), the
     servers, the weight transfer, and vLLM's sampling limits."""
-    from titan_learner.rollout.vllm import check_vllm_sampling
+    from titan_learner.vllm.generator import check_vllm_sampling
 
     source = config.source
     if engine_model_path(config) is None and not config.rollout.vllm.get("servers"):

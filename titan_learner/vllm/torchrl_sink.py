@@ -1,7 +1,7 @@
 """Push the learner's exported weights into TorchRL's vLLM engines (a sink, see titan_learner.weights.sinks).
 
 vLLM's own RL API (an in-process `vllm.LLM`, `vllm serve`) is reached through
-titan_learner.vllm (`VLLMGenerator`, `VLLMEngineSink`); this module is TorchRL's way in, a sink
+the rest of titan_learner.vllm (`VLLMGenerator`, `VLLMEngineSink`); this module is TorchRL's way in, a sink
 with the `WeightSink` interface (begin -> write(bucket)... -> commit(manifest) | abort):
 
 `VLLMSink`: TorchRL's `VLLMWeightSender` (torchrl.weight_update.llm.VLLMWeightSyncScheme with

@@ -1,6 +1,6 @@
 """The KL reference's forward with shared prompts against scoring every token of every row.
 
-    python scripts/bench_reference.py --config FILE [--set section.key=value ...]
+    python benchmarks/bench_reference.py --config FILE [--set section.key=value ...]
         [--groups N] [--group-size G] [--steps N] [--warmup N]
 
 With `[loss] kl_to_ref_coeff` the job scores every micro-batch under the frozen reference model
@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+from result_file import add_result_argument, write_result
 
 from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=16, help="completions per prompt")
     parser.add_argument("--steps", type=int, default=20, help="timed batches per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed batches first")
+    add_result_argument(parser, "reference")
     args = parser.parse_args(argv)
     if min(args.groups, args.group_size, args.steps) < 1 or args.warmup < 0:
         parser.error("--groups, --group-size and --steps must be >= 1, --warmup >= 0")
@@ -93,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<9} median {seconds * 1e3:9.1f} ms/batch")
     print(f"largest |shared - unshared| on the response: {gap:.1e}")
     print(f"ratio shared/unshared: {medians['shared'] / medians['unshared']:.2f}")
+    write_result(
+        args.result_json,
+        benchmark="the KL reference on shared prompts",
+        metric=f"time per batch of {args.groups} groups x {args.group_size}, shared / unshared",
+        ratio=f"{medians['shared'] / medians['unshared']:.2f}",
+        details={"ms_per_batch": {k: v * 1e3 for k, v in medians.items()}, "gap": gap},
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Reward scoring: the math reward over 1 and over N worker processes, and a reward model's rows/s.
 
-    python scripts/bench_rewards.py [--completions 4096] [--workers 2] [--repeats 3]
+    python benchmarks/bench_rewards.py [--completions 4096] [--workers 2] [--repeats 3]
         [--reward-model DIR] [--rows 256] [--batch-size 16] [--max-length 512]
 
 math: `[[reward]] function = "math"` (math-verify) on GSM8K-shaped completions of varied
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_file import add_result_argument, write_result
 
 from titan_learner.config.toml import config_from_dict
 from titan_learner.rewards.reward_model import RewardModel
@@ -79,7 +80,7 @@ def cpu_seconds(rewards) -> float:
     return total
 
 
-def bench_math(completions: int, workers: int, repeats: int) -> None:
+def bench_math(completions: int, workers: int, repeats: int) -> dict:
     rng = random.Random(0)
     triples = [completion(rng) for _ in range(completions)]
     prompts, texts = [t[0] for t in triples], [t[1] for t in triples]
@@ -115,6 +116,7 @@ def bench_math(completions: int, workers: int, repeats: int) -> None:
         )
     print(f"  same scores: {same}")
     print(f"ratio 1/{workers} workers: {one / many:.2f}")
+    return {"seconds": seconds, "cores": cores}
 
 
 def make_reward_model(directory: Path) -> Path:
@@ -191,6 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=256, help="pairs the reward model scores")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=512)
+    add_result_argument(parser, "rewards")
     args = parser.parse_args(argv)
     if min(args.completions, args.rows, args.batch_size, args.repeats) < 1 or args.workers < 2:
         parser.error("counts must be >= 1 and --workers >= 2")
@@ -199,7 +202,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    bench_math(args.completions, args.workers, args.repeats)
+    measured = bench_math(args.completions, args.workers, args.repeats)
+    one, many = (statistics.median(measured["seconds"][n]) for n in (1, args.workers))
+    write_result(
+        args.result_json,
+        benchmark=f"rule rewards over worker processes (math-verify, {args.completions:,} "
+        "completions)",
+        metric=f"time, 1 worker / {args.workers} workers",
+        ratio=f"{one / many:.2f}",
+        details=measured,
+    )
     bench_reward_model(args.reward_model, args.rows, args.batch_size, args.max_length, args.repeats)
     return 0
 

@@ -1,9 +1,9 @@
 """One-step off-policy GRPO against the synchronous loop, on the embedded default.
 
-    python scripts/bench_off_policy.py [--off-policy-steps 1] [--target 0.9] [--steps 300]
+    python benchmarks/bench_off_policy.py [--off-policy-steps 1] [--target 0.9] [--steps 300]
 
 Runs configs/toy_grpo.toml through `titan_learner.job.grpo.run` three times in this process, as
-`scripts/bench_job.py` runs it (checkpoints every 50 steps, no evaluation): with
+`benchmarks/bench_job.py` runs it (checkpoints every 50 steps, no evaluation): with
 `[rollout] max_off_policy_steps = 0` (sample, train, push, in turn), with `= k` (a thread
 samples the next steps while the learner trains, from weights at most k versions old), and
 with `= k` and `stale_logprob_mismatch = false` (no kept weights, no scoring forward on stale
@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_job import describe, run_job
+from result_file import add_result_argument, write_result
 
 
 def main() -> int:
@@ -30,6 +31,7 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    add_result_argument(parser, "off_policy")
     args = parser.parse_args()
     k = args.off_policy_steps
     runs = {
@@ -47,6 +49,13 @@ def main() -> int:
     for name, result in results.items():
         print(f"{describe(name, result, args.target)}  {result['tokens_per_s']:,.0f} tokens/s")
     sync, ahead, bare = results.values()
+    write_result(
+        args.result_json,
+        benchmark=f"{'one step' if k == 1 else f'{k} steps'} off-policy vs synchronous",
+        metric=f"tokens/s, k={k} / k=0",
+        ratio=f"{ahead['tokens_per_s'] / sync['tokens_per_s']:.2f}",
+        details={"runs": results},
+    )
     print(f"ratio k/sync (tokens/s): {ahead['tokens_per_s'] / sync['tokens_per_s']:.2f}")
     print(
         "ratio k without/with the stale mismatch (tokens/s): "
