@@ -46,7 +46,21 @@ def check_env(config: Config) -> None:
                 source=source,
                 where=describe_location((f"tool[{i}]", "function")),
             )
-    if multi_turn(config) and config.rollout.generator != "hf":
+    if not multi_turn(config):
+        return
+    rollout = config.rollout
+    for key, value, allowed in (
+        ("max_off_policy_steps", rollout.max_off_policy_steps, 0),
+        ("dynamic_sampling", rollout.dynamic_sampling, False),
+    ):
+        if value != allowed:
+            raise ConfigError(
+                f"multi-turn episodes ([env] class or [[tool]]) are sampled in turn so far, "
+                f"got {key} = {str(value).lower()}; allowed: {key} = {str(allowed).lower()}",
+                source=source,
+                where=f"[rollout] {key}",
+            )
+    if config.rollout.generator != "hf":
         raise ConfigError(
             f"multi-turn episodes ([env] class or [[tool]]) run on the embedded generator so far, "
             f"got generator = '{config.rollout.generator}'; allowed: generator = 'hf'",

@@ -79,7 +79,9 @@ class Episode:
     env_reward: float | None = None
     """The sum of the rewards the environment returned; None when it returned none."""
     last_turn: str = ""
-    """The text of the model's last turn (what [[reward]] functions score)."""
+    """The text of the model's last turn, special tokens kept (what tool calls are read from)."""
+    last_ids: list[int] = field(default_factory=list)
+    """The ids of the model's last turn (what [[reward]] functions score, decoded)."""
     done: bool = False
     finished: bool = False
     """Ended by the environment (done), not by a limit."""
@@ -104,15 +106,9 @@ class Episodes:
     episodes: list[Episode]
     rollout: Rollout
 
-    def metrics(self) -> dict[str, float]:
-        n = max(len(self.episodes), 1)
-        return {
-            "training/turns_mean": sum(e.turns for e in self.episodes) / n,
-            "training/tool_calls_mean": sum(e.tool_calls for e in self.episodes) / n,
-            "training/tool_errors": float(sum(e.tool_errors for e in self.episodes)),
-            "training/episode_tokens_mean": sum(len(e.ids) for e in self.episodes) / n,
-            "training/episodes_truncated": float(sum(not e.finished for e in self.episodes)),
-        }
+    @property
+    def truncated(self) -> int:
+        return sum(not e.finished for e in self.episodes)
 
 
 def start(setup: EpisodeSetup, row: dict, origin: str) -> Episode:
@@ -173,6 +169,7 @@ def take_turn(setup: EpisodeSetup, e: Episode, ids: list[int], log_probs: list[f
     limits = setup.limits
     room = limits.max_total_tokens - e.length
     e.append(ids[:room], log_probs[:room])
+    e.last_ids = ids[:room]
     e.turns += 1
     eos = ids[-1] if ids and ids[-1] in setup.eos_ids else None
     if len(ids) > room or eos is None:  # cut at the budget, or no EOS within max_new_tokens
