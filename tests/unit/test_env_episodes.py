@@ -324,3 +324,13 @@ def test_the_built_in_environment_is_one_turn(tokenizer):
     env = Answer(lambda row: [{"role": "user", "content": row["q"]}])
     assert env.reset({"q": "hi"}) == [{"role": "user", "content": "hi"}]
     assert env.step([], "anything") == ([], None, True)
+
+
+def test_renders_are_cached_and_handed_out_as_copies(tokenizer):
+    renderer = ChatRenderer(tokenizer, QWEN3_LIKE, None)
+    eos = eos_ids(tokenizer)[0]
+    first = renderer.delta([{"role": "tool", "content": "red"}], eos)
+    first.append(-1)  # an episode extends its own list
+    again = renderer.delta([{"role": "tool", "content": "red"}], eos)
+    assert again == first[:-1] and len(renderer._rendered) == 1
+    assert renderer.delta([{"role": "tool", "content": "blue"}], eos) != again

@@ -14,10 +14,13 @@ closing, so it is left out and the rest is appended.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 MARKER = "\x00titan-learner-turn\x00"
+CACHE_ENTRIES = 65536
 CONTEXT = [{"role": "user", "content": "?"}, {"role": "assistant", "content": MARKER}]
 
 
@@ -45,13 +48,33 @@ class ChatRenderer:
         # A chat template writes the special tokens (BOS included) itself.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    _rendered: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    """Ids by what was rendered: a step renders the same tool results and first prompts for
+    many episodes (G per prompt), and a template render costs more than a turn of a tiny model."""
+
     def first(self, messages: list[dict[str, Any]]) -> list[int]:
         """The episode's first prompt, with the generation prompt."""
-        return self.encode(self.render(messages, generation_prompt=True))
+        return self._cached(("first", messages), lambda: self._first(messages))
 
     def delta(self, new_messages: list[dict[str, Any]], sampled_eos: int | None) -> list[int]:
         """The ids that follow a sampled assistant turn ending with `sampled_eos`: the rest of
         the template's closing of the turn, `new_messages`, the next generation prompt."""
+        return self._cached(
+            ("delta", new_messages, sampled_eos), lambda: self._delta(new_messages, sampled_eos)
+        )
+
+    def _cached(self, key: Any, make: Callable[[], list[int]]) -> list[int]:
+        text = json.dumps(key, sort_keys=True, default=repr)
+        if text not in self._rendered:
+            if len(self._rendered) >= CACHE_ENTRIES:
+                self._rendered.clear()
+            self._rendered[text] = make()
+        return list(self._rendered[text])
+
+    def _first(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def _delta(self, new_messages: list[dict[str, Any]], sampled_eos: int | None) -> list[int]:
         closing = self._after_marker(self.render(CONTEXT, generation_prompt=False))
         following = self._after_marker(self.render(CONTEXT + new_messages, generation_prompt=True))
         if not following.startswith(closing):
