@@ -270,12 +270,36 @@ def test_max_total_tokens_cuts_a_turn_to_what_is_left(tokenizer):
     assert result.rollout.completion_lengths.tolist() == [budget - len(free.episodes[0].prompt)] * 2
 
 
-def test_no_eos_within_max_new_tokens_truncates(tokenizer):
-    result, generator = run(tokenizer, lambda key, turn: "blue " * 40, ["sky"], max_new_tokens=6)
+def test_a_turn_without_eos_goes_on_closed_by_the_template(tokenizer):
+    script = lambda key, turn: "blue " * 40 if turn == 0 else call("lookup", key=key)  # noqa: E731
+    result, generator = run(tokenizer, script, ["sky"], template=QWEN3_LIKE, max_new_tokens=6)
     check_token_in_token_out(result, generator)
-    assert [len(e.ids) for e in result.episodes] == [6, 6]
-    assert [e.turns for e in result.episodes] == [1, 1]
-    assert not any(e.finished for e in result.episodes)
+    e = result.episodes[0]
+    # the cut turn was an answer (no tool call): the environment ended the episode
+    assert e.turns == 1 and e.finished and e.env_reward == 0.0 and len(e.ids) == 6
+    tools_first = lambda key, turn: call("lookup", key=key) if turn == 0 else "x" * 300  # noqa: E731
+    result, generator = run(
+        tokenizer, tools_first, ["sky"], template=QWEN3_LIKE, max_new_tokens=120
+    )
+    check_token_in_token_out(result, generator)
+    e = result.episodes[0]
+    assert e.turns == 2 and e.tool_calls == 1 and e.finished
+    ids, _ = generator.sampled[tuple(e.prompt + e.ids[: sampled_turns(e)[1][0]])]
+    assert tokenizer.eos_token_id not in ids  # the second turn was cut, and answered the env
+    first_end = sampled_turns(e)[0][1]
+    between = tokenizer.decode(e.ids[first_end : sampled_turns(e)[1][0]], skip_special_tokens=False)
+    assert (
+        between
+        == "\n<|im_start|>user\n<tool_response>\nblue\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_cut_turn_is_closed_by_the_whole_template_closing(tokenizer):
+    renderer = ChatRenderer(tokenizer, QWEN3_LIKE, None)
+    closed = renderer.delta([{"role": "user", "content": "more"}], None)
+    assert tokenizer.decode(closed, skip_special_tokens=False) == (
+        "<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_hung_tool_answers_with_an_error_and_the_episode_goes_on(tokenizer):

@@ -11,8 +11,10 @@ single-turn job: a one-turn episode is a single-turn rollout, id for id.
 
 An episode ends when the environment says done (`finished`), or is truncated: max_turns model
 turns, max_total_tokens reached (a turn is cut to what is left; an environment turn that does
-not fit is not appended), a turn that reached max_new_tokens without an EOS, or an environment
-step that overran step_timeout_s.
+not fit is not appended), or an environment step that overran step_timeout_s. A turn that
+reaches max_new_tokens without an EOS is a turn like any other (its text goes to the tools or
+the environment); the template's whole closing of it, which the model did not sample, is
+context before the next turn.
 """
 
 from __future__ import annotations
@@ -172,11 +174,11 @@ def take_turn(setup: EpisodeSetup, e: Episode, ids: list[int], log_probs: list[f
     e.last_ids = ids[:room]
     e.turns += 1
     eos = ids[-1] if ids and ids[-1] in setup.eos_ids else None
-    if len(ids) > room or eos is None:  # cut at the budget, or no EOS within max_new_tokens
+    if len(ids) > room:  # cut at the budget
         e.last_turn = setup.decode(ids[:room])
         e.end(finished=False)
         return
-    e.last_turn = setup.decode(ids[:-1])
+    e.last_turn = setup.decode(ids[:-1] if eos is not None else ids)
     e.messages.append({"role": "assistant", "content": e.last_turn})
     calls = setup.parse(e.last_turn) if setup.tools else []
     if calls:
