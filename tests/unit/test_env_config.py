@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import tomllib
 
+import pytest
+
 from titan_learner.config.env_values import multi_turn
+from titan_learner.config.errors import ConfigError
 from titan_learner.config.reference import explain
 from titan_learner.config.toml import config_from_dict, config_to_toml, load_config
 
@@ -48,3 +51,51 @@ def test_single_turn_is_the_default():
 
 def test_explain_names_the_key_the_user_writes():
     assert explain("env.class").startswith("[env] class\n  type:    a string\n  default: unset")
+
+
+def parts_of(tmp_path, text: str):
+    from titan_learner.job.episodes import load_env_parts
+
+    (tmp_path / "tools.py").write_text("def lookup(key: str) -> str:\n    return key\n")
+    (tmp_path / "envs.py").write_text("class Lookup:\n    def reset(self, row): ...\n")
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return load_env_parts(load_config(path))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[env]\nclass = "missing.py:Env"\n',
+            "[env] class: 'missing.py:Env': file {root}/missing.py not found",
+        ),
+        (
+            '[env]\nclass = "envs.py:Lookup"\n',
+            "[env] class: 'envs.py:Lookup': Lookup has no step; an environment has reset(row) -> "
+            "messages and step(messages, completion) -> (messages, reward, done)",
+        ),
+        (
+            '[[tool]]\nfunction = "tools.py:lookup"\n\n[[tool]]\nfunction = "tools.py:lookup"\n',
+            "[[tool]] #2 function: 'tools.py:lookup': another [[tool]] has its name; allowed: one "
+            "tool a name",
+        ),
+        (
+            '[env]\ntool_parser = "tools.py:nope"\n\n[[tool]]\nfunction = "tools.py:lookup"\n',
+            "[env] tool_parser: 'tools.py:nope': tools.py has no attribute 'nope'",
+        ),
+    ],
+)
+def test_what_cannot_be_loaded_is_one_line_naming_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError) as raised:
+        parts_of(tmp_path, text)
+    assert str(raised.value) == f"{tmp_path / 'run.toml'}: " + message.format(root=tmp_path)
+
+
+def test_a_user_parser_is_loaded_with_the_tools(tmp_path):
+    parts = parts_of(
+        tmp_path,
+        '[env]\ntool_parser = "tools.py:lookup"\n\n[[tool]]\nfunction = "tools.py:lookup"\n',
+    )
+    assert list(parts.tools) == ["lookup"] and parts.make_env is None
+    assert parts.parser is not None

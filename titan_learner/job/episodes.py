@@ -10,13 +10,13 @@ environment is a single-turn completion, scored the same.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from titan_learner.config.derived import episode_tokens
-from titan_learner.config.env_values import multi_turn
+from titan_learner.config.env_values import TOOL_PARSERS, multi_turn
 from titan_learner.config.errors import ConfigError, describe_location
 from titan_learner.config.schema import Config
 from titan_learner.data.loader import Prompt
@@ -39,11 +39,13 @@ class EnvParts:
     make_env: Callable[[], Environment] | None
     """The [env] class; None: the built-in environment."""
     tools: dict[str, Tool]
-    parser_spec: str
+    parser: Parser | None
+    """A user's [env] tool_parser; None: a built-in one, chosen by the chat template."""
 
 
 def load_env_parts(config: Config) -> EnvParts:
-    """The [env] class and the [[tool]] functions, loaded; one-line ConfigError otherwise."""
+    """The [env] class, the [[tool]] functions and a user's tool parser, loaded; one-line
+    ConfigError otherwise."""
     base = Path(config.source).parent
     make_env = None
     if config.env.class_:
@@ -62,7 +64,13 @@ def load_env_parts(config: Config) -> EnvParts:
         except EnvLoadError as err:
             where = describe_location((f"tool[{index}]", "function"))
             raise ConfigError(str(err), source=config.source, where=where) from None
-    return EnvParts(make_env, tools, config.env.tool_parser)
+    parser = None
+    if config.env.tool_parser not in TOOL_PARSERS:
+        try:
+            parser = tool_parser(config.env.tool_parser, None, base)
+        except EnvLoadError as err:
+            raise ConfigError(str(err), source=config.source, where="[env] tool_parser") from None
+    return EnvParts(make_env, tools, parser)
 
 
 def build_episode_setup(config: Config, tokenizer: PromptTokenizer) -> EpisodeSetup | None:
@@ -77,12 +85,9 @@ def build_episode_setup(config: Config, tokenizer: PromptTokenizer) -> EpisodeSe
             where="[tokenizer] chat_template",
         )
     parts = load_env_parts(config)
-    try:
-        parse: Parser = tool_parser(
-            parts.parser_spec, tokenizer.template, Path(config.source).parent
-        )
-    except EnvLoadError as err:
-        raise ConfigError(str(err), source=config.source, where="[env] tool_parser") from None
+    parse = parts.parser or tool_parser(
+        config.env.tool_parser, tokenizer.template, Path(config.source).parent
+    )
     schemas = [tool.schema for tool in parts.tools.values()] or None
     return EpisodeSetup(
         renderer=ChatRenderer(tokenizer.tokenizer, tokenizer.template, schemas),
@@ -112,16 +117,8 @@ def sample_episodes(
     rng: torch.Generator,
 ) -> Episodes:
     """`group_size` episodes of each prompt's row, advancing together."""
-    limits = setup.limits
-    if max_new_tokens != limits.max_new_tokens:
-        setup = EpisodeSetup(
-            **{
-                **vars(setup),
-                "limits": Limits(
-                    limits.max_turns, limits.max_total_tokens, max_new_tokens, limits.step_timeout_s
-                ),
-            }
-        )
+    if max_new_tokens != setup.limits.max_new_tokens:  # evaluation's own
+        setup = replace(setup, limits=replace(setup.limits, max_new_tokens=max_new_tokens))
     rows = [(p.row, p.origin) for p in prompts]
     return run_episodes(generator, rows, group_size, setup, temperature, rng)
 
