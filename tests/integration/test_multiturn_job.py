@@ -105,6 +105,12 @@ def test_a_user_environment_with_a_tool_trains_through_the_job(runs):
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("training/turns_mean" in r for r in logged)
     assert [r["step"] for r in logged if "eval/pass@1" in r] == [0, 3]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(
+        {"episode", "turns", "tool_calls", "completion"} <= set(s) for s in samples
+    )
+    went_on = [s for s in samples if s["turns"] > 1]
+    assert went_on and all("Go on." in s["episode"] for s in went_on)
 
 
 def test_a_resume_in_the_middle_repeats_the_uninterrupted_run(runs):

@@ -156,3 +156,16 @@ def episode_metrics(episodes: Episodes, group, device: torch.device) -> dict[str
         "episode_tokens_mean": tokens / count,
         "episodes_truncated": truncated,
     }
+
+
+def episode_sample(episodes: Episodes | None, index: int, tokenizer: PromptTokenizer) -> dict:
+    """samples.jsonl's view of episode `index`: every turn after the prompt as text, its turns
+    and tool calls (nothing for a single-turn rollout)."""
+    if episodes is None:
+        return {}
+    e = episodes.episodes[index]
+    return {
+        "episode": tokenizer.tokenizer.decode(e.ids, skip_special_tokens=False),
+        "turns": e.turns,
+        "tool_calls": e.tool_calls,
+    }

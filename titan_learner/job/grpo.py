@@ -37,7 +37,12 @@ from titan_learner.job.collectives import (
     same_within_group,
 )
 from titan_learner.job.console import Verbosity
-from titan_learner.job.episodes import build_episode_setup, episode_metrics, sample_episodes
+from titan_learner.job.episodes import (
+    build_episode_setup,
+    episode_metrics,
+    episode_sample,
+    sample_episodes,
+)
 from titan_learner.job.kl_reward import (
     kl_in_reward,
     penalized,
@@ -370,6 +375,7 @@ def train_on(
             "reward": float(scores.total[i]),
             **{f"reward/{name}": float(v[i]) for name, v in scores.per_reward.items()},
             **{f"reward/{name}_reply": r[i] for name, r in scores.replies.items()},
+            **episode_sample(sampled.episodes, i, inputs.tokenizer),
         }
         for i in range(0, len(texts), group)[:SAMPLES_PER_LOG]
     ]
