@@ -99,3 +99,33 @@ def test_a_user_parser_is_loaded_with_the_tools(tmp_path):
     )
     assert list(parts.tools) == ["lookup"] and parts.make_env is None
     assert parts.parser is not None
+
+
+def test_a_whole_episode_must_fit_the_model_and_a_token_budget():
+    from titan_learner.job.checks import check_sequence_length
+
+    tool = [{"function": "tools.py:lookup"}]
+    sized = config_from_dict({"tool": tool, "env": {"max_total_tokens": 300}}, source="run.toml")
+    with pytest.raises(ConfigError) as longer:
+        check_sequence_length(sized, 256)
+    assert str(longer.value) == (
+        "run.toml: [env] max_total_tokens: max_total_tokens = 300 positions, but the model covers "
+        "256 (max_seq_len); allowed: a smaller max_total_tokens, or a larger [model.overrides] "
+        "max_seq_len"
+    )
+    check_sequence_length(sized, 300)
+    derived = config_from_dict(
+        {
+            "tool": tool,
+            "learner": {"max_tokens_per_microbatch": 90},
+            "data": {"max_prompt_tokens": 64},
+        },
+        source="run.toml",
+    )
+    with pytest.raises(ConfigError) as budget:
+        check_sequence_length(derived, 4096)
+    assert str(budget.value) == (
+        "run.toml: [learner] max_tokens_per_microbatch: max_tokens_per_microbatch = 90 is "
+        "shorter than the longest episode ([env] max_total_tokens = 0: max_prompt_tokens + "
+        "max_turns x max_new_tokens = 96); allowed: at least 96"
+    )
