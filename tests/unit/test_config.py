@@ -30,7 +30,8 @@ DEBUG_FSDP_TP = CONFIGS / "debug_fsdp_tp.toml"
 
 SECTIONS = (
     "model, parallelism, activation_checkpoint, compile, optimizer, lr_scheduler, learner, "
-    "loss, kl, advantage, rollout, tokenizer, data, reward, eval, checkpoint, run, logging"
+    "loss, kl, advantage, rollout, tokenizer, data, reward, env, tool, eval, checkpoint, run, "
+    "logging"
 )
 PARALLELISM_KEYS = (
     "dp_replicate, dp_shard, fsdp_reshard_after_forward, param_dtype, reduce_dtype, "
@@ -67,6 +68,67 @@ BAD_CONFIGS = {
         exact(
             "[checkpoint] export_hf: export_hf = true exports each saved step, and interval = 0 "
             "saves none; allowed: interval >= 1, or export_hf = false"
+        ),
+    ),
+    "env_class_without_a_name": (
+        '[env]\nclass = "envs.py"\n',
+        [],
+        exact(
+            "[env] class: 'envs.py' names no class; allowed: 'file.py:Name' or "
+            "'package.module:Name'"
+        ),
+    ),
+    "env_unknown_key": (
+        "[env]\nmax_turn = 3\n",
+        [],
+        exact(
+            "[env]: unknown key 'max_turn' (did you mean 'max_turns'?); allowed keys: class, "
+            "max_total_tokens, max_turns, step_timeout_s, tool_parser"
+        ),
+    ),
+    "env_zero_turns": (
+        "[env]\nmax_turns = 0\n",
+        [],
+        exact("[env] max_turns: 0 is out of range; allowed: >= 1"),
+    ),
+    "env_unknown_tool_parser": (
+        '[env]\ntool_parser = "qwen"\n',
+        [],
+        exact(
+            "[env] tool_parser: 'qwen' is no tool parser; allowed: auto, hermes, llama3, "
+            "'file.py:function' or 'package.module:function'"
+        ),
+    ),
+    "tool_without_a_function": (
+        '[[tool]]\nfunction = "tools.py:calculator"\n\n[[tool]]\n',
+        [],
+        exact(
+            "[[tool]] #2 function: '' names no function; allowed: 'file.py:function' or "
+            "'package.module:function'"
+        ),
+    ),
+    "tool_not_an_array": (
+        '[tool]\nfunction = "tools.py:calculator"\n',
+        [],
+        exact("[tool] must be an array of tables, written [[tool]]"),
+    ),
+    "tools_on_vllm_servers": (
+        '[rollout]\ngenerator = "vllm"\n\n[rollout.vllm]\nservers = ["http://localhost:8000"]\n'
+        '\n[[tool]]\nfunction = "tools.py:lookup"\n',
+        [],
+        exact(
+            "[rollout.vllm] servers: multi-turn episodes ([env] class or [[tool]]) run on the "
+            "embedded generator and colocated vLLM engines so far, got [rollout.vllm] servers; "
+            "allowed: no servers"
+        ),
+    ),
+    "tools_sampled_ahead": (
+        '[rollout]\nmax_off_policy_steps = 1\n\n[[tool]]\nfunction = "tools.py:lookup"\n',
+        [],
+        exact(
+            "[rollout] max_off_policy_steps: multi-turn episodes ([env] class or [[tool]]) are "
+            "sampled in turn so far, got max_off_policy_steps = 1; allowed: "
+            "max_off_policy_steps = 0"
         ),
     ),
     "section_not_a_table": (

@@ -23,7 +23,7 @@ from typing import Any
 from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.loss_values import LOSS_KEYS, PROJECT_DEFAULTS
 from titan_learner.config.schema import SECTIONS, Config, LossSection
-from titan_learner.config.tables import type_name
+from titan_learner.config.tables import toml_key, type_name
 
 _NO_DEFAULT = "(required)"
 
@@ -118,7 +118,7 @@ def _section_keys(cls: type, section: str) -> list[KeyDoc]:
         keys.append(
             KeyDoc(
                 section,
-                f.name,
+                toml_key(f),
                 type_name(tp),
                 _default(f),
                 _limits(f.metadata),

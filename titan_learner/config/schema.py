@@ -358,6 +358,43 @@ class RewardSection:
 
 
 @dataclass
+class EnvSection:
+    """Multi-turn episodes (titan_learner.env): the model's turn, then the environment's
+    (tool results, a user simulator's reply), until the episode is done. Set by `class` or
+    by [[tool]] alone (the built-in tool environment); neither: one turn, the single-turn job."""
+
+    class_: str | None = field(default=None, metadata={"key": "class"})
+    """A user environment "file.py:Name" / "package.module:Name": a class built with no
+    arguments, with reset(row) -> list of messages (the first prompt) and step(messages,
+    completion) -> (new messages, reward or None, done). Unset with [[tool]]: the built-in tool
+    environment (the row's prompt; tool calls answered; done at the first turn without one)."""
+    max_turns: int = field(default=4, metadata=POSITIVE)
+    """The most model turns of an episode; one that is not done after them is truncated."""
+    max_total_tokens: int = field(default=0, metadata=NON_NEGATIVE)
+    """The longest episode in tokens, prompt, sampled and environment tokens together; a turn
+    is cut to what is left, and an episode that reaches it is truncated. 0: [data]
+    max_prompt_tokens + max_turns x [rollout] max_new_tokens."""
+    step_timeout_s: float = field(default=10.0, metadata={"min": 0.001})
+    """Seconds one environment step or tool call may take; a tool call that overruns answers
+    the model with an error tool message, an environment step that overruns truncates the
+    episode."""
+    tool_parser: str = "auto"
+    """How tool calls are read from a completion: hermes (Qwen3's <tool_call>{json}</tool_call>),
+    llama3 (a bare {"name": ..., "parameters": ...} JSON object), auto (hermes when the chat
+    template mentions <tool_call>, else llama3), or a user function "file.py:name" /
+    "package.module:name" taking the completion text and returning a list of {"name": ...,
+    "arguments": {...}}."""
+
+
+@dataclass
+class ToolSection:
+    function: str = ""
+    """A plain Python function "file.py:name" / "package.module:name" the model may call; its
+    JSON schema (the chat template's tools=) comes from its signature's type hints and its
+    docstring (the first paragraph describes it, "name: meaning" lines its arguments)."""
+
+
+@dataclass
 class EvalSection:
     every_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """With eval_files: evaluate at step 0, every N steps (0: only then and at the end), and at
@@ -454,6 +491,8 @@ class Config:
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)
     reward: list[RewardSection] = field(default_factory=list)
+    env: EnvSection = field(default_factory=EnvSection)
+    tool: list[ToolSection] = field(default_factory=list)
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
@@ -462,5 +501,5 @@ class Config:
 
 
 SECTIONS = tuple(name for name in Config.__dataclass_fields__ if name != "source")
-ARRAY_SECTIONS = ("reward",)
-"""Sections written as arrays of tables ([[reward]])."""
+ARRAY_SECTIONS = ("reward", "tool")
+"""Sections written as arrays of tables ([[reward]], [[tool]])."""

@@ -146,10 +146,16 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], where: str, source:
             )
 
 
+def toml_key(f: dataclasses.Field) -> str:
+    """The key a user writes for a field: its name, or `metadata["key"]` where the name cannot
+    be a Python identifier ([env] class is the field `class_`)."""
+    return f.metadata.get("key", f.name)
+
+
 def build_dataclass(cls: type, data: dict[str, Any], *, path: tuple[str, ...], source: str) -> Any:
     """Build `cls` from a TOML table, rejecting unknown keys and bad values."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {toml_key(f): f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
             known = ", ".join(sorted(fields))
@@ -159,8 +165,10 @@ def build_dataclass(cls: type, data: dict[str, Any], *, path: tuple[str, ...], s
                 where=describe_table(path),
             )
     kwargs = {
-        name: check_value(value, hints[name], fields[name].metadata, (*path, name), source)
-        for name, value in data.items()
+        fields[key].name: check_value(
+            value, hints[fields[key].name], fields[key].metadata, (*path, key), source
+        )
+        for key, value in data.items()
     }
     return cls(**kwargs)
 

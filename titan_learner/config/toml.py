@@ -15,7 +15,7 @@ from typing import Any
 
 from titan_learner.config.errors import ConfigError, describe_location, did_you_mean
 from titan_learner.config.schema import ARRAY_SECTIONS, SECTIONS, Config
-from titan_learner.config.tables import build_dataclass
+from titan_learner.config.tables import build_dataclass, toml_key
 from titan_learner.config.validate import validate_fields
 
 
@@ -156,7 +156,7 @@ _NO_DEFAULT = object()
 def _plain(obj: Any, path: tuple[str, ...]) -> dict[str, Any]:
     """A section (dataclass) or table (dict) as a dict of TOML-representable values."""
     if dataclasses.is_dataclass(obj):
-        items = [(f.name, getattr(obj, f.name), _default(f)) for f in dataclasses.fields(obj)]
+        items = [(toml_key(f), getattr(obj, f.name), _default(f)) for f in dataclasses.fields(obj)]
     else:
         items = [(key, value, _NO_DEFAULT) for key, value in obj.items()]
     out: dict[str, Any] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+from titan_learner.config.env_values import check_env
 from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.loss_values import (
     LOSS_KEYS,
@@ -74,6 +75,7 @@ def validate_fields(config: Config) -> None:
         )
     check_loss_kwargs(config.loss, config.source)
     check_kl(config)
+    check_env(config)
 
 
 # -- the loss -------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from titan_learner.config.derived import longest_sequence
+from titan_learner.config.derived import episode_tokens, longest_sequence
+from titan_learner.config.env_values import multi_turn
 from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.schema import Config, RewardSection
 from titan_learner.data.errors import DataError
@@ -36,7 +37,7 @@ def check_job_structure(config: Config, data_parallel: int) -> None:
             source=source,
             where="[data] train_files",
         )
-    if not config.reward:
+    if not config.reward and not config.env.class_:  # an environment's step may reward alone
         raise ConfigError(
             'no [[reward]] table; allowed: at least one, e.g. [[reward]] function = "math" '
             f'(built-ins: {", ".join(BUILTINS)}) or function = "my_rewards.py:score"',
@@ -186,6 +187,9 @@ def check_judge(config: Config, table: dict, where: str) -> None:
 
 def check_sequence_length(config: Config, max_seq_len: int) -> None:
     """A prompt and its completion must fit the positions the model covers (its RoPE tables)."""
+    if multi_turn(config):
+        check_episode_length(config, max_seq_len)
+        return
     longest_new = max(config.rollout.max_new_tokens, config.eval.max_new_tokens)
     needed = longest_sequence(config)
     budget = config.learner.max_tokens_per_microbatch
@@ -205,6 +209,29 @@ def check_sequence_length(config: Config, max_seq_len: int) -> None:
             "[model.overrides] max_seq_len",
             source=config.source,
             where="[data] max_prompt_tokens",
+        )
+
+
+def check_episode_length(config: Config, max_seq_len: int) -> None:
+    """A whole episode must fit the model's positions and a token-budget micro-batch."""
+    needed = episode_tokens(config)
+    meaning = f"max_total_tokens = {config.env.max_total_tokens}"
+    if not config.env.max_total_tokens:
+        meaning = f"max_total_tokens = 0: max_prompt_tokens + max_turns x max_new_tokens = {needed}"
+    budget = config.learner.max_tokens_per_microbatch
+    if budget and budget < needed:
+        raise ConfigError(
+            f"max_tokens_per_microbatch = {budget} is shorter than the longest episode "
+            f"([env] {meaning}); allowed: at least {needed}",
+            source=config.source,
+            where="[learner] max_tokens_per_microbatch",
+        )
+    if needed > max_seq_len:
+        raise ConfigError(
+            f"{meaning} positions, but the model covers {max_seq_len} (max_seq_len); allowed: a "
+            "smaller max_total_tokens, or a larger [model.overrides] max_seq_len",
+            source=config.source,
+            where="[env] max_total_tokens",
         )
 
 
@@ -238,6 +265,10 @@ def check_job_inputs(
     machine_check(lambda: require_wandb(config))
     if config.rollout.generator == "vllm":
         check_vllm_machine(config, machine_check, world_size, data_parallel)
+    if multi_turn(config):
+        from titan_learner.job.episodes import load_env_parts
+
+        load_env_parts(config)
     for index, section in enumerate(config.reward):
         if section.model:
             _check_reward_model(config, section, index, machine_check)

@@ -11,14 +11,19 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_learner.config.schema import Config
 from titan_learner.data.loader import Prompt, rank_slice
 from titan_learner.job.collectives import gather_objects
+from titan_learner.job.episodes import sample_episodes
 from titan_learner.job.scoring import score_rollout
 from titan_learner.ranks import rank
+
+if TYPE_CHECKING:
+    from titan_learner.env.episode import EpisodeSetup
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -39,26 +44,31 @@ def evaluate(
     rewards,
     prompts: list[Prompt],
     output_dir: Path,
+    episodes: EpisodeSetup | None = None,
 ) -> dict[str, float]:
-    """Sample, score and summarize the eval prompts (every rank calls it)."""
+    """Sample, score and summarize the eval prompts (every rank calls it); k episodes per
+    prompt with `episodes` (multi-turn), their last turns scored."""
     settings = config.eval
     k = settings.samples_per_prompt
     chosen = prompts[: settings.max_prompts] if settings.max_prompts else prompts
     mine = rank_slice(chosen, learner.data_parallel_rank, learner.capabilities.data_parallel_size)
-    rollout = None
+    rollout, ran = None, None
     if mine:
         rng = torch.Generator(device=learner.device)
         rng.manual_seed(
             config.run.seed * 1_000_003 + 7_777 * (1 + step) + learner.data_parallel_rank
         )
-        rollout = generator.generate(
-            [p.ids for p in mine],
-            k,
-            settings.max_new_tokens or config.rollout.max_new_tokens,
-            settings.temperature,
-            rng,
-        )
-    texts, _, scores = score_rollout(rollout, mine, k, tokenizer, rewards, learn=False)
+        max_new = settings.max_new_tokens or config.rollout.max_new_tokens
+        if episodes is not None:
+            ran = sample_episodes(episodes, generator, mine, k, max_new, settings.temperature, rng)
+            rollout = ran.rollout
+        else:
+            rollout = generator.generate(
+                [p.ids for p in mine], k, max_new, settings.temperature, rng
+            )
+    texts, _, scores = score_rollout(
+        rollout, mine, k, tokenizer, rewards, learn=False, episodes=ran
+    )
     records = []
     for index, prompt in enumerate(mine):
         totals = scores.total[index * k : (index + 1) * k].tolist()

@@ -37,6 +37,12 @@ from titan_learner.job.collectives import (
     same_within_group,
 )
 from titan_learner.job.console import Verbosity
+from titan_learner.job.episodes import (
+    build_episode_setup,
+    episode_metrics,
+    episode_sample,
+    sample_episodes,
+)
 from titan_learner.job.kl_reward import (
     kl_in_reward,
     penalized,
@@ -64,6 +70,7 @@ from titan_learner.rollout.base import FINISHED_KEY
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
+    from titan_learner.env.episode import EpisodeSetup
     from titan_learner.job.telemetry import Telemetry
 
 SAMPLES_PER_LOG = 4
@@ -78,10 +85,13 @@ class JobInputs:
     eval: list[Prompt]
     rewards: list[Reward]
     skipped: int
+    episodes: EpisodeSetup | None = None
+    """Multi-turn ([env], [[tool]]): what every episode shares; None: single-turn."""
 
 
 def read_inputs(config: Config) -> JobInputs:
     tokenizer = load_tokenizer(config)
+    episodes = build_episode_setup(config, tokenizer)
     train = load_prompts(config, tokenizer, config.data.train_files)
     held_out = (
         load_prompts(config, tokenizer, config.data.eval_files) if config.data.eval_files else None
@@ -92,6 +102,7 @@ def read_inputs(config: Config) -> JobInputs:
         eval=held_out.prompts if held_out else [],
         rewards=build_rewards(config, say=print if rank() == 0 else lambda line: None),
         skipped=train.skipped + (held_out.skipped if held_out else 0),
+        episodes=episodes,
     )
 
 
@@ -146,12 +157,30 @@ class StepResult:
     samples: list[dict]  # a few of this rank's (prompt, completion, rewards) rows
 
 
-def sample(config: Config, learner, generator, prompts: list[Prompt], rng) -> Sampled:
+def sample(
+    config: Config,
+    learner,
+    generator,
+    prompts: list[Prompt],
+    rng,
+    episodes: EpisodeSetup | None = None,
+) -> Sampled:
     """This rank's slice of the step's prompts, G completions each (no collective: the
-    asynchronous pipeline calls it from its thread)."""
+    asynchronous pipeline calls it from its thread); G episodes each with `episodes`."""
     rollout_cfg = config.rollout
     mine = rank_slice(prompts, learner.data_parallel_rank, learner.capabilities.data_parallel_size)
     start = time.perf_counter()
+    if episodes is not None:
+        ran = sample_episodes(
+            episodes,
+            generator,
+            mine,
+            rollout_cfg.group_size,
+            rollout_cfg.max_new_tokens,
+            rollout_cfg.temperature,
+            rng,
+        )
+        return Sampled(ran.rollout, mine, time.perf_counter() - start, episodes=ran)
     rollout = generator.generate(
         [p.ids for p in mine],
         rollout_cfg.group_size,
@@ -210,7 +239,13 @@ def train_on(
 
     start = time.perf_counter()
     texts, owners, scores = sampled.scored or score_rollout(
-        rollout, mine, group, inputs.tokenizer, inputs.rewards, ahead=sampled.ahead
+        rollout,
+        mine,
+        group,
+        inputs.tokenizer,
+        inputs.rewards,
+        ahead=sampled.ahead,
+        episodes=sampled.episodes,
     )
     rewards = shaped_rewards(config, scores.total, rollout.completion_lengths)
     advantage = partial(
@@ -224,6 +259,8 @@ def train_on(
     start = time.perf_counter()
     measured = before_update(batch) if before_update is not None else {}
     metrics: dict[str, float] = dict(sampled.metrics)
+    if sampled.episodes is not None:
+        metrics |= episode_metrics(sampled.episodes, dp_group, device)
     # A token budget: the learner splits the whole batch itself (one call, one step).
     budget = config.learner.max_tokens_per_microbatch
     parts = 1 if budget else config.learner.grad_accum_steps
@@ -295,6 +332,7 @@ def train_on(
             "reward": float(scores.total[i]),
             **{f"reward/{name}": float(v[i]) for name, v in scores.per_reward.items()},
             **{f"reward/{name}_reply": r[i] for name, r in scores.replies.items()},
+            **episode_sample(sampled.episodes, i, inputs.tokenizer),
         }
         for i in range(0, len(texts), group)[:SAMPLES_PER_LOG]
     ]
@@ -487,6 +525,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
                 inputs.rewards,
                 inputs.eval,
                 output_dir,
+                inputs.episodes,
             )
             telemetry.log(step, found, namespace="eval/")
             telemetry.completions(step, output_dir / "eval" / f"step_{step}.jsonl")
@@ -519,7 +558,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
     def take_sample(prompts: list[Prompt], step: int, attempt: int = 0) -> Sampled:
         rank, device = learner.data_parallel_rank, learner.device
         rng = sampling_rng(config.run.seed, step, rank, device, attempt)
-        sampled = sample(config, learner, generator, prompts, rng)
+        sampled = sample(config, learner, generator, prompts, rng, inputs.episodes)
         if config.rollout.max_off_policy_steps:  # in the rollout thread: overlaps the update
             sampled.ahead = score_locally(
                 sampled.rollout,

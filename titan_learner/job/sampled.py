@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from titan_learner.data.loader import Prompt
+    from titan_learner.env.episode import Episodes
     from titan_learner.job.scoring import Scored
     from titan_learner.rewards.runner import Scores
     from titan_learner.rollout.base import Rollout
@@ -31,6 +32,8 @@ class Sampled:
     ahead: Scored | None = None
     """Its rewards on this rank alone, computed in the rollout thread when it samples ahead
     (`job.scoring.score_locally`); the step's collectives still run on them."""
+    episodes: Episodes | None = None
+    """Multi-turn ([env], [[tool]]): the episodes the rollout holds (job.episodes)."""
 
 
 def sync_generator(learner, generator) -> None:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from titan_learner.env.episode import Episodes
+
 from titan_learner.data.loader import Prompt
 from titan_learner.data.tokenizer import PromptTokenizer
 from titan_learner.job.collectives import gather_objects, gather_over, raise_everywhere
+from titan_learner.job.episodes import add_env_rewards, answer_texts
 from titan_learner.rewards.runner import (
     Reward,
     Scores,
@@ -37,10 +42,15 @@ def score_locally(
     group: int,
     tokenizer: PromptTokenizer,
     rewards: Sequence[Reward],
+    episodes: Episodes | None = None,
 ) -> Scored:
     """Decode and score this rank's completions, no collective: the rollout thread calls it
-    with `[rollout] max_off_policy_steps > 0`, so that scoring overlaps the update."""
-    texts = [tokenizer.decode(ids) for ids in rollout.completion_ids] if rollout else []
+    with `[rollout] max_off_policy_steps > 0`, so that scoring overlaps the update. Of
+    `episodes`, the last model turns are scored (job.episodes)."""
+    if episodes is not None:
+        texts = answer_texts(episodes, tokenizer.decode)
+    else:
+        texts = [tokenizer.decode(ids) for ids in rollout.completion_ids] if rollout else []
     owners = [p for p in prompts for _ in range(group)] if rollout else []
     scores, error = None, None
     if rollout is not None:
@@ -65,6 +75,7 @@ def score_rollout(
     rewards: Sequence[Reward],
     learn: bool = True,
     ahead: Scored | None = None,
+    episodes: Episodes | None = None,
 ) -> tuple[list[str], list[Prompt], Scores | None]:
     """Decode each completion and score it with the rewards; `(texts, owners, scores)`.
 
@@ -73,11 +84,14 @@ def score_rollout(
     reward's `max_error_fraction` is judged over the completions of every rank. `learn`: the
     running normalizers take in this step's scores (training) or only apply (evaluation).
     `ahead`: the rollout's `score_locally`, already computed in the rollout thread.
+    `episodes`: multi-turn, their last turns scored and their environment rewards added.
     """
-    scored = ahead or score_locally(rollout, prompts, group, tokenizer, rewards)
+    scored = ahead or score_locally(rollout, prompts, group, tokenizer, rewards, episodes)
     raise_everywhere(scored.error)
     judge_error_fractions(rewards, scored.scores)
     normalize_scores(rewards, scored.scores, learn)
+    if episodes is not None and scored.scores is not None:
+        add_env_rewards(scored.scores, episodes)
     return scored.texts, scored.owners, scored.scores
 
 

@@ -82,6 +82,9 @@ class Rollout:
     finished: torch.Tensor  # [N] bool
     pad_id: int
     weights_version: int
+    completion_mask: torch.Tensor | None = None  # [N, M] bool
+    """Multi-turn episodes (titan_learner.env): which completion positions the model sampled
+    (the rest are tool and environment tokens, context that is not trained); None: all."""
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -100,6 +103,11 @@ class Rollout:
             )
         if self.completion_lengths.shape != (n,) or self.finished.shape != (n,):
             raise ValueError(f"completion_lengths and finished must be [{n}]")
+        if self.completion_mask is not None and self.completion_mask.shape != shape:
+            raise ValueError(
+                f"completion_mask must be {tuple(shape)} like completion_tokens, "
+                f"got {tuple(self.completion_mask.shape)}"
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -119,7 +127,8 @@ class Rollout:
     def to_batch(self, advantage: torch.Tensor, rewards: torch.Tensor) -> TensorDict:
         """The learner's batch (titan_learner.learner.batch): prompt + completion, left-padded to `[N, T]`.
 
-        The response mask covers the sampled tokens, EOS included; `("log_probs", "full")` holds
+        The response mask covers the sampled tokens, EOS included (of a multi-turn episode: the
+        model's turns, not the tools' and environment's, `completion_mask`); `("log_probs", "full")` holds
         the behaviour log-probs there and NaN elsewhere; `advantage` is `[N, 1, 1]`. Three extra
         per-sequence entries ride along: `"reward"` (float32), `"group_id"` (int64) and
         `"finished"` (bool: ended with an EOS, not cut at max_new_tokens).
@@ -132,9 +141,12 @@ class Rollout:
         prompt_mask = prompt_mask.repeat_interleave(self.group_size, dim=0)
         width = self.completion_tokens.shape[1]
         response = torch.arange(width) < self.completion_lengths.unsqueeze(1)
+        sampled = (
+            response if self.completion_mask is None else response & self.completion_mask.cpu()
+        )
         tokens = torch.cat([prompt_tokens, self.completion_tokens.cpu()], dim=1)
         real = torch.cat([prompt_mask, response], dim=1)
-        assistant = torch.cat([torch.zeros_like(prompt_mask), response], dim=1)
+        assistant = torch.cat([torch.zeros_like(prompt_mask), sampled], dim=1)
         log_probs = torch.cat(
             [torch.full(prompt_mask.shape, torch.nan), self.completion_log_probs.cpu().float()], 1
         )

@@ -1,0 +1,13 @@
+"""The multi-turn default's tool-call format ([env] tool_parser): a turn that is exactly two
+letters a-j calls lookup with them as the key (the tiny model's vocabulary has no JSON)."""
+
+from __future__ import annotations
+
+import re
+
+CALL = re.compile(r"[a-j]{2}")
+
+
+def parse(text: str) -> list[dict]:
+    text = text.strip()
+    return [{"name": "lookup", "arguments": {"key": text}}] if CALL.fullmatch(text) else []
