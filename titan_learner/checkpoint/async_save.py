@@ -35,11 +35,14 @@ class SaveHandle:
         self._operation = operation
         self._group = group
         self._future = future
+        self._settled = future
+        """Kept after `wait()` takes `_future`: `done()` must not say True while `wait()` still
+        blocks on it (rank 0's HF export thread would read a step not yet committed)."""
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """Whether this rank's part (on rank 0: the commit too) has finished; never blocks."""
-        return self._future is None or self._future.done()
+        return self._settled is None or self._settled.done()
 
     def wait(self) -> Path:
         global _PENDING
