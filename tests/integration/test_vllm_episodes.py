@@ -71,7 +71,7 @@ def episodes_on(generator, tokenizer):
 
 
 def test_the_same_episodes_through_hf_and_vllm(parts):
-    from titan_learner.rollout.vllm import VLLMGenerator
+    from titan_learner.vllm.generator import VLLMGenerator
 
     tokenizer, learner, directory = parts
     ids = {"eos_id": eos_ids(tokenizer), "pad_id": tokenizer.pad_token_id}
