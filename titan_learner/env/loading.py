@@ -1,13 +1,12 @@
 """User objects of [env] and [[tool]]: `"file.py:Name"` (relative to the config file) or
-`"package.module:Name"`, loaded as reward functions are (titan_learner.rewards.loading)."""
+`"package.module:Name"`, loaded as reward functions are (titan_learner.user_code)."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
-from titan_learner.rewards.loading import load_module_file
+from titan_learner.user_code import load_user_object
 
 FILE_MODULE_PREFIX = "titan_learner_env_"
 """Environment and tool files are loaded as modules named this plus a hash of their path."""
@@ -19,31 +18,10 @@ class EnvLoadError(ValueError):
 
 def load_object(spec: str, base_dir: Path) -> Any:
     """The object `spec` names; EnvLoadError says why not."""
-    module_part, sep, name = spec.rpartition(":")
-    if not sep or not module_part or not name:
-        raise EnvLoadError(
-            f"{spec!r} names nothing; allowed: 'file.py:Name' or 'package.module:Name'"
-        )
-    if module_part.endswith(".py"):
-        path = Path(module_part) if Path(module_part).is_absolute() else base_dir / module_part
-        if not path.is_file():
-            raise EnvLoadError(f"{spec!r}: file {path} not found")
-        try:
-            module = load_module_file(
-                f"{FILE_MODULE_PREFIX}{abs(hash(str(path.resolve())))}", str(path)
-            )
-        except Exception as err:
-            raise EnvLoadError(
-                f"{spec!r}: running {path} failed: {type(err).__name__}: {err}"
-            ) from None
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except Exception as err:
-            raise EnvLoadError(
-                f"{spec!r}: importing {module_part} failed: {type(err).__name__}: {err}"
-            ) from None
-    found = getattr(module, name, None)
-    if found is None:
-        raise EnvLoadError(f"{spec!r}: {module_part} has no attribute {name!r}")
-    return found
+    return load_user_object(
+        spec,
+        base_dir,
+        error=EnvLoadError,
+        module_prefix=FILE_MODULE_PREFIX,
+        malformed=f"{spec!r} names nothing; allowed: 'file.py:Name' or 'package.module:Name'",
+    )

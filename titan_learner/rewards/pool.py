@@ -24,7 +24,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 
-from titan_learner.rewards.loading import FILE_MODULE_PREFIX, load_module_file
+from titan_learner.rewards.loading import FILE_MODULE_PREFIX
+from titan_learner.user_code import load_module_file
 
 Result = tuple[str, object]
 _CHUNKS_PER_WORKER = 4
