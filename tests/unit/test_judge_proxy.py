@@ -270,6 +270,20 @@ def test_a_refused_tunnel_is_one_line(tmp_path, monkeypatch, tls_judge, proxy):
     assert len(proxy.received) == 2 and tls_judge.requests == 0
 
 
+def test_an_ipv6_judge_host_is_bracketed_in_the_connect_line(tmp_path, monkeypatch, proxy):
+    """Python 3.11's http.client writes `CONNECT fd00::7:8443`, which no proxy can parse."""
+    monkeypatch.setenv("HTTPS_PROXY", proxy_url(proxy))
+    proxy.connect_status = 502
+    url = "https://[fd00::7]:8443/v1"
+    scores = judged(judge_rewards(tmp_path, url, "zero"), completions=1)
+    assert [head[0] for head in proxy.received] == ["CONNECT [fd00::7]:8443 HTTP/1.0"] * 2
+    assert scores.messages[0] == (
+        f"reward 'judge' (judge judge at {url}) failed: POST {url}/chat/completions"
+        f"{via(proxy)}: OSError: Tunnel connection failed: 502 Bad Gateway (2 tries) "
+        "on train.jsonl:1"
+    )
+
+
 def test_proxy_for_reads_the_variables_as_urllib_does(monkeypatch):
     monkeypatch.setenv("https_proxy", "egress.internal:3128")
     monkeypatch.setenv("no_proxy", ".corp.example")

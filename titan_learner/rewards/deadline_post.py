@@ -103,11 +103,27 @@ def _connection(
 ) -> http.client.HTTPConnection:
     """The connection to the target, or to the proxy (with a CONNECT tunnel for https)."""
     https = parts.scheme == "https"
-    connection_class = http.client.HTTPSConnection if https else http.client.HTTPConnection
     if proxy is None:
+        connection_class = http.client.HTTPSConnection if https else http.client.HTTPConnection
         return connection_class(parts.hostname, parts.port, timeout=timeout_s)
+    connection_class = _TunnelHTTPSConnection if https else http.client.HTTPConnection
     connection = connection_class(proxy.host, proxy.port, timeout=timeout_s)
     if https:
         tunnel_headers = {"Proxy-Authorization": proxy.authorization} if proxy.authorization else {}
         connection.set_tunnel(parts.hostname, parts.port or 443, headers=tunnel_headers)
     return connection
+
+
+class _TunnelHTTPSConnection(http.client.HTTPSConnection):
+    """An HTTPS connection whose CONNECT line brackets an IPv6 target (`CONNECT [fd00::7]:443`,
+    RFC 9110's authority form): Python 3.11's writes it bare, which no proxy can parse (3.12
+    brackets it itself and leaves a bracketed one as it is)."""
+
+    def _tunnel(self) -> None:
+        host = self._tunnel_host
+        if ":" in host and not host.startswith("["):
+            self._tunnel_host = f"[{host}]"
+        try:
+            super()._tunnel()
+        finally:
+            self._tunnel_host = host  # TLS's server_hostname and the Host header take it bare
