@@ -292,6 +292,48 @@ def score(prompt, completion, row):
 """
 
 
+GO_ON = """
+class GoOn:
+    \"\"\"A user simulator: asks for more once, then the episode is done.\"\"\"
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["question"]}]
+
+    def step(self, messages, completion):
+        asked = sum(m["role"] == "user" for m in messages)
+        return [{"role": "user", "content": "Go on."}], None, asked >= 2
+"""
+
+
+def episode_job(rank: int, root: str, urls: list[str], overrides: dict):
+    """Two steps of multi-turn episodes on one rank, every turn sampled on the servers."""
+    os.environ["TITAN_LEARNER_SERVER_TOKEN"] = TOKEN
+    MODEL_OVERRIDES.update(overrides)
+    run_tables = tables(Path(root), urls, steps=2)
+    run_tables["run"]["output_dir"] = str(Path(root) / "episodes")
+    run_tables["parallelism"]["dp_shard"] = 1
+    run_tables.pop("eval")
+    run_tables["data"].pop("eval_files")
+    run_tables["env"] = {"class": "go_on.py:GoOn", "max_turns": 2}
+    return run(config_from_dict(run_tables, str(Path(root) / "run.toml")))
+
+
+def test_multi_turn_episodes_sample_every_turn_on_the_servers(servers):
+    """Each turn's contexts (prompt, sampled ids, the environment's rendered reply) go to the
+    servers as token ids; the log-probs they return are the learner's own over the whole
+    episode (fp32), and only sampled tokens are trained."""
+    root, urls, _ = servers
+    (root / "go_on.py").write_text(GO_ON)
+    before = [requests_served(url) for url in urls]
+    history = run_world(1, episode_job, str(root), urls, MODEL_OVERRIDES)[0]
+    assert [int(m["policy_version"]) for m in history] == [1, 2]
+    for metrics in history:
+        assert metrics["turns_mean"] > 1, metrics  # the environment's turn was sampled on
+        assert metrics["logprob_mismatch_max"] < 1e-5, metrics
+        assert abs(metrics["kl_approx"]) < 1e-5 and metrics["clip_fraction"] == 0
+    assert all(requests_served(url) > b for url, b in zip(urls, before, strict=True))
+
+
 def test_a_server_killed_mid_run_is_one_line_and_resume_repeats_the_run_exactly(servers, job):
     """Last in the module: it kills server 1 and starts another in its place. Rank 0's reward
     kills it while scoring step 3 (after the step-2 checkpoint), so the step's push fails; the

@@ -112,16 +112,6 @@ BAD_CONFIGS = {
         [],
         exact("[tool] must be an array of tables, written [[tool]]"),
     ),
-    "tools_on_vllm_servers": (
-        '[rollout]\ngenerator = "vllm"\n\n[rollout.vllm]\nservers = ["http://localhost:8000"]\n'
-        '\n[[tool]]\nfunction = "tools.py:lookup"\n',
-        [],
-        exact(
-            "[rollout.vllm] servers: multi-turn episodes ([env] class or [[tool]]) run on the "
-            "embedded generator and colocated vLLM engines so far, got [rollout.vllm] servers; "
-            "allowed: no servers"
-        ),
-    ),
     "tools_sampled_ahead": (
         '[rollout]\nmax_off_policy_steps = 1\n\n[[tool]]\nfunction = "tools.py:lookup"\n',
         [],

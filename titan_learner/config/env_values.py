@@ -24,7 +24,7 @@ def is_reference(spec: str) -> bool:
 
 def check_env(config: Config) -> None:
     """[env] and [[tool]] references are well formed; multi-turn runs where it is wired (in
-    turn, on the embedded generator or colocated vLLM engines)."""
+    turn: no rollouts ahead, no dynamic sampling)."""
     env, source = config.env, config.source
     if env.class_ is not None and not is_reference(env.class_):
         raise ConfigError(
@@ -61,10 +61,3 @@ def check_env(config: Config) -> None:
                 source=source,
                 where=f"[rollout] {key}",
             )
-    if config.rollout.generator == "vllm" and config.rollout.vllm.get("servers"):
-        raise ConfigError(
-            "multi-turn episodes ([env] class or [[tool]]) run on the embedded generator and "
-            "colocated vLLM engines so far, got [rollout.vllm] servers; allowed: no servers",
-            source=source,
-            where="[rollout.vllm] servers",
-        )
