@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 
 import pytest
@@ -358,3 +359,38 @@ def test_renders_are_cached_and_handed_out_as_copies(tokenizer):
     again = renderer.delta([{"role": "tool", "content": "red"}], eos)
     assert again == first[:-1] and len(renderer._rendered) == 1
     assert renderer.delta([{"role": "tool", "content": "blue"}], eos) != again
+
+
+def meeting(parties: int):
+    """A tool that waits at a barrier of `parties` for the other calls, then echoes its key."""
+    barrier = threading.Barrier(parties, timeout=2)
+
+    def meet(key: str) -> str:
+        """Wait for the other episodes' calls, then echo the key.
+
+        key: the episode's key
+        """
+        barrier.wait()
+        return f"met {key}"
+
+    return meet
+
+
+@pytest.mark.parametrize("workers", [3, 1])
+def test_a_turns_tool_calls_run_at_once_and_answer_their_own_episodes(tokenizer, workers):
+    """Three episodes' calls meet at a barrier of three: only calls running at once pass it
+    (one after another, the first times out waiting for the others and breaks it); each
+    answer is its own call's."""
+    meet = meeting(3)
+    tools = {"meet": Tool("meet", meet, tool_schema(meet))}
+    script = lambda key, turn: call("meet", key=key) if turn == 0 else "done"  # noqa: E731
+    keys = ["sky", "grass", "apple"]
+    result, _ = run(tokenizer, script, keys, group_size=1, tools=tools, tool_workers=workers)
+    for e, key in zip(result.episodes, keys, strict=True):
+        told = tokenizer.decode(e.ids)
+        assert e.turns == 2 and e.finished
+        if workers == 3:
+            assert e.tool_errors == 0 and f"met {key}" in told
+            assert all(f"met {other}" not in told for other in keys if other != key)
+        else:
+            assert e.tool_errors == 1 and "error: meet raised BrokenBarrierError" in told

@@ -378,6 +378,10 @@ class EnvSection:
     """Seconds one environment step or tool call may take; a tool call that overruns answers
     the model with an error tool message, an environment step that overruns truncates the
     episode."""
+    tool_workers: int = field(default=8, metadata=POSITIVE)
+    """Threads answering the tool calls of a turn's episodes at once (tools that wait on the
+    network, a sandbox or an index); 1 for tools that are not thread-safe. Answers keep their
+    calls' order; environment steps run one after another."""
     tool_parser: str = "auto"
     """How tool calls are read from a completion: hermes (Qwen3's <tool_call>{json}</tool_call>),
     llama3 (a bare {"name": ..., "parameters": ...} JSON object), auto (hermes when the chat

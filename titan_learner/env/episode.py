@@ -15,12 +15,17 @@ not fit is not appended), or an environment step that overran step_timeout_s. A 
 reaches max_new_tokens without an EOS is a turn like any other (its text goes to the tools or
 the environment); the template's whole closing of it, which the model did not sample, is
 context before the next turn.
+
+The tool calls of a turn's episodes run at once, on up to `tool_workers` threads (tools wait
+on the network, a sandbox, a search index); answers keep their calls' order. Environment steps
+run one after another (a user environment need not be thread-safe).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +39,8 @@ from titan_learner.env.environment import (
 )
 from titan_learner.env.render import ChatRenderer
 from titan_learner.env.timeout import CallTimeout, call_with_timeout
-from titan_learner.env.tool_calls import Parser
-from titan_learner.env.tools import Tool, answer
+from titan_learner.env.tool_calls import Parser, ToolCall
+from titan_learner.env.tools import Tool, ToolAnswer, answer
 from titan_learner.rollout.base import Generator, Rollout
 
 
@@ -46,6 +51,8 @@ class Limits:
     max_new_tokens: int
     """Per model turn."""
     step_timeout_s: float
+    tool_workers: int = 1
+    """Threads answering a turn's tool calls at once (1: one call after another)."""
 
 
 @dataclass
@@ -161,15 +168,32 @@ def run_episodes(
         first, version = False, sampled.weights_version
         rows_ids = sampled.completion_ids
         rows_lps = sampled.completion_log_probs.tolist()
-        for e, ids, lps in zip(active, rows_ids, rows_lps, strict=True):
-            take_turn(setup, e, ids, lps[: len(ids)])
+        turns = [
+            open_turn(setup, e, ids, lps[: len(ids)])
+            for e, ids, lps in zip(active, rows_ids, rows_lps, strict=True)
+        ]
+        answers = answer_calls(setup, [turn.calls if turn else [] for turn in turns])
+        for e, turn, answered in zip(active, turns, answers, strict=True):
+            if turn is not None:
+                close_turn(setup, e, turn, answered)
     return Episodes(episodes, to_rollout(episodes, group_size, pad_id, version))
 
 
-def take_turn(setup: EpisodeSetup, e: Episode, ids: list[int], log_probs: list[float]) -> None:
-    """One sampled turn of `e`, then the tools' or the environment's answer."""
-    limits = setup.limits
-    room = limits.max_total_tokens - e.length
+@dataclass(frozen=True)
+class OpenTurn:
+    """A sampled turn appended to its episode, waiting for the tools or the environment."""
+
+    calls: list[ToolCall]
+    """Its tool calls; none: the environment answers it."""
+    eos: int | None
+    """The EOS id that closed it, or None (cut at max_new_tokens)."""
+
+
+def open_turn(
+    setup: EpisodeSetup, e: Episode, ids: list[int], log_probs: list[float]
+) -> OpenTurn | None:
+    """Append one sampled turn to `e`; None when it ended the episode (cut at the budget)."""
+    room = setup.limits.max_total_tokens - e.length
     e.append(ids[:room], log_probs[:room])
     e.last_ids = ids[:room]
     e.turns += 1
@@ -177,14 +201,40 @@ def take_turn(setup: EpisodeSetup, e: Episode, ids: list[int], log_probs: list[f
     if len(ids) > room:  # cut at the budget
         e.last_turn = setup.decode(ids[:room])
         e.end(finished=False)
-        return
+        return None
     e.last_turn = setup.decode(ids[:-1] if eos is not None else ids)
     e.messages.append({"role": "assistant", "content": e.last_turn})
-    calls = setup.parse(e.last_turn) if setup.tools else []
-    if calls:
-        answers = [answer(setup.tools, call, limits.step_timeout_s) for call in calls]
+    return OpenTurn(setup.parse(e.last_turn) if setup.tools else [], eos)
+
+
+def answer_calls(
+    setup: EpisodeSetup, calls_per_turn: list[list[ToolCall]]
+) -> list[list[ToolAnswer]]:
+    """The answers to every tool call of a turn's episodes, each turn's in its calls' order;
+    the calls run at once on up to `tool_workers` threads."""
+    flat = [call for calls in calls_per_turn for call in calls]
+    timeout_s, workers = setup.limits.step_timeout_s, setup.limits.tool_workers
+
+    def one(call: ToolCall) -> ToolAnswer:
+        return answer(setup.tools, call, timeout_s)
+
+    if workers == 1 or len(flat) <= 1:
+        answered = [one(call) for call in flat]
+    else:
+        with ThreadPoolExecutor(
+            min(workers, len(flat)), thread_name_prefix="titan-learner-tool"
+        ) as pool:
+            answered = list(pool.map(one, flat))
+    done = iter(answered)
+    return [[next(done) for _ in calls] for calls in calls_per_turn]
+
+
+def close_turn(setup: EpisodeSetup, e: Episode, turn: OpenTurn, answers: list[ToolAnswer]) -> None:
+    """The tools' answers to `turn` (or the environment's), appended, or the episode's end."""
+    limits = setup.limits
+    if turn.calls:
         new, reward, done = [a.message for a in answers], None, False
-        e.tool_calls += len(calls)
+        e.tool_calls += len(turn.calls)
         e.tool_errors += sum(a.error for a in answers)
     else:
         stepped = env_step(setup, e)
@@ -200,7 +250,7 @@ def take_turn(setup: EpisodeSetup, e: Episode, ids: list[int], log_probs: list[f
     if e.turns >= limits.max_turns:
         e.end(finished=False)
         return
-    delta = setup.renderer.delta(new, eos)
+    delta = setup.renderer.delta(new, turn.eos)
     if e.length + len(delta) >= limits.max_total_tokens:  # no room to sample after it
         e.end(finished=False)
         return

@@ -100,6 +100,7 @@ def build_episode_setup(config: Config, tokenizer: PromptTokenizer) -> EpisodeSe
             max_total_tokens=episode_tokens(config),
             max_new_tokens=config.rollout.max_new_tokens,
             step_timeout_s=config.env.step_timeout_s,
+            tool_workers=config.env.tool_workers,
         ),
         eos_ids=tokenizer.eos_ids,
         pad_id=tokenizer.pad_id,
