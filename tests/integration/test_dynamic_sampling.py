@@ -8,6 +8,7 @@ all score alike.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -90,6 +91,38 @@ def test_select_and_join_keep_whole_groups_and_pad_completions():
         and joined.completion_ids[G : 2 * G] == first.completion_ids[:G]
     )
     assert joined.completion_ids[2 * G :] == second.completion_ids
+
+
+def with_turn_mask(rollout, seed: int):
+    """The rollout as a multi-turn one: a random trained mask inside each completion."""
+    g = torch.Generator().manual_seed(seed)
+    inside = torch.arange(rollout.completion_tokens.shape[1]) < rollout.completion_lengths[:, None]
+    mask = inside & (torch.rand(inside.shape, generator=g) < 0.6)
+    return dataclasses.replace(rollout, completion_mask=mask)
+
+
+def test_select_and_join_keep_the_trained_mask_of_multi_turn_rollouts():
+    """A multi-turn rollout trains its model turns alone (`completion_mask`): picking and
+    joining groups keeps each row's mask, and the padding a join adds is not trained."""
+    first = with_turn_mask(rollout_of(prompts(3), 0), 1)
+    second = with_turn_mask(rollout_of(prompts(2), 1), 2)
+    joined = join_rollouts([select_groups(first, [2, 0]), second])
+    rows = [*range(2 * G, 3 * G), *range(G)]
+    width = joined.completion_mask.shape[1]
+    expected = torch.cat(
+        [
+            torch.nn.functional.pad(
+                first.completion_mask[rows], (0, width - first.completion_tokens.shape[1])
+            ),
+            torch.nn.functional.pad(
+                second.completion_mask, (0, width - second.completion_tokens.shape[1])
+            ),
+        ]
+    )
+    assert joined.completion_mask.dtype == torch.bool
+    assert torch.equal(joined.completion_mask, expected)
+    assert join_rollouts([first]).completion_mask is not None
+    assert join_rollouts([rollout_of(prompts(1), 3)]).completion_mask is None
 
 
 def test_rounds_go_on_until_the_share_is_full_then_surplus_is_left_out():

@@ -31,12 +31,14 @@ def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
         finished=rollout.finished[rows],
         pad_id=rollout.pad_id,
         weights_version=rollout.weights_version,
+        completion_mask=None if rollout.completion_mask is None else rollout.completion_mask[rows],
     )
 
 
 def join_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     """One rollout of every group of `rollouts`, in order; completions padded to the widest
-    (tokens with `pad_id`, log-probs with NaN, as a generator pads them)."""
+    (tokens with `pad_id`, log-probs with NaN, as a generator pads them; a multi-turn
+    rollout's `completion_mask` with False: padding is not trained)."""
     first = rollouts[0]
     width = max(r.completion_tokens.shape[1] for r in rollouts)
 
@@ -54,4 +56,7 @@ def join_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         finished=torch.cat([r.finished for r in rollouts]),
         pad_id=first.pad_id,
         weights_version=first.weights_version,
+        completion_mask=None
+        if first.completion_mask is None
+        else torch.cat([padded(r.completion_mask, False) for r in rollouts]),
     )
