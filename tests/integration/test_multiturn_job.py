@@ -69,6 +69,10 @@ def multiturn_runs(rank: int, root: str) -> dict:
         return made
 
     results = {"history": run(config_from_dict(tables("run", 3), source))}
+    dynamic = tables("dynamic", 2)
+    dynamic["rollout"] |= {"dynamic_sampling": True, "max_sampling_rounds": 3}
+    dynamic.pop("eval")
+    results["dynamic"] = run(config_from_dict(dynamic, source))
     run(config_from_dict(tables("resumed", 2), source))
     results["resumed"] = run(config_from_dict(tables("resumed", 3), source), resume=True)
     tables = tables("broken", 1)
@@ -111,6 +115,20 @@ def test_a_user_environment_with_a_tool_trains_through_the_job(runs):
     )
     went_on = [s for s in samples if s["turns"] > 1]
     assert went_on and all("Go on." in s["episode"] for s in went_on)
+
+
+def test_dynamic_sampling_keeps_whole_groups_of_episodes(runs):
+    """DAPO's rounds over episodes: each round scored as episodes (the last turn by the
+    rewards, plus the environment's), the kept groups' episodes trained and logged whole."""
+    root, results = runs
+    for metrics in results["dynamic"]:
+        assert {"sampling_rounds", "groups_dropped", "turns_mean", "reward/env_mean"} <= set(
+            metrics
+        ), metrics
+        assert 1 <= metrics["sampling_rounds"] <= 3 and 1 <= metrics["turns_mean"] <= 3
+    out = root / "dynamic" / "out"
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all({"episode", "turns", "reward/env"} <= set(s) for s in samples)
 
 
 def test_a_resume_in_the_middle_repeats_the_uninterrupted_run(runs):

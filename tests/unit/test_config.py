@@ -83,7 +83,7 @@ BAD_CONFIGS = {
         [],
         exact(
             "[env]: unknown key 'max_turn' (did you mean 'max_turns'?); allowed keys: class, "
-            "max_total_tokens, max_turns, step_timeout_s, tool_parser"
+            "max_total_tokens, max_turns, step_timeout_s, tool_parser, tool_workers"
         ),
     ),
     "env_zero_turns": (

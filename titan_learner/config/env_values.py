@@ -24,7 +24,7 @@ def is_reference(spec: str) -> bool:
 
 def check_env(config: Config) -> None:
     """[env] and [[tool]] references are well formed; multi-turn runs where it is wired (in
-    turn: no rollouts ahead, no dynamic sampling)."""
+    turn: no rollouts ahead)."""
     env, source = config.env, config.source
     if env.class_ is not None and not is_reference(env.class_):
         raise ConfigError(
@@ -50,14 +50,11 @@ def check_env(config: Config) -> None:
     if not multi_turn(config):
         return
     rollout = config.rollout
-    for key, value, allowed in (
-        ("max_off_policy_steps", rollout.max_off_policy_steps, 0),
-        ("dynamic_sampling", rollout.dynamic_sampling, False),
-    ):
-        if value != allowed:
-            raise ConfigError(
-                f"multi-turn episodes ([env] class or [[tool]]) are sampled in turn so far, "
-                f"got {key} = {str(value).lower()}; allowed: {key} = {str(allowed).lower()}",
-                source=source,
-                where=f"[rollout] {key}",
-            )
+    if rollout.max_off_policy_steps != 0:
+        raise ConfigError(
+            "multi-turn episodes ([env] class or [[tool]]) are sampled in turn so far, got "
+            f"max_off_policy_steps = {rollout.max_off_policy_steps}; allowed: "
+            "max_off_policy_steps = 0",
+            source=source,
+            where="[rollout] max_off_policy_steps",
+        )

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from titan_learner.env.episode import Episodes
 from titan_learner.job.reward_shaping import shaped_rewards
 from titan_learner.job.rollouts import Rollouts, Taken
 from titan_learner.rewards.runner import Scores
@@ -139,13 +140,15 @@ def joined(groups: list[Group], seconds: float, errors: int) -> Sampled:
     for group in groups:  # by round, each round's groups in order
         rounds.setdefault(id(group.sampled), (group, []))[1].append(group.index)
     rollouts, mine, texts, owners, totals, per_reward = [], [], [], [], [], {}
-    messages = []
+    messages, episodes = [], []
     for first, indices in rounds.values():
         sampled, (round_texts, round_owners, scores) = first.sampled, first.scored
         size = sampled.rollout.group_size
         rows = group_rows(indices, size).tolist()
         rollouts.append(select_groups(sampled.rollout, indices))
         mine += [sampled.mine[i] for i in indices]
+        if sampled.episodes is not None:
+            episodes += [sampled.episodes.episodes[r] for r in rows]
         texts += [round_texts[r] for r in rows]
         owners += [round_owners[r] for r in rows]
         totals.append(scores.total[rows])
@@ -155,4 +158,11 @@ def joined(groups: list[Group], seconds: float, errors: int) -> Sampled:
     scores = Scores(
         torch.cat(totals), {k: torch.cat(v) for k, v in per_reward.items()}, errors, messages
     )
-    return Sampled(join_rollouts(rollouts), mine, seconds, scored=(texts, owners, scores))
+    rollout = join_rollouts(rollouts)
+    return Sampled(
+        rollout,
+        mine,
+        seconds,
+        scored=(texts, owners, scores),
+        episodes=Episodes(episodes, rollout) if episodes else None,
+    )

@@ -571,7 +571,14 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
 
     def score(sampled: Sampled) -> tuple[list[str], list[Prompt], Scores]:
         group = config.rollout.group_size
-        return score_rollout(sampled.rollout, sampled.mine, group, inputs.tokenizer, inputs.rewards)
+        return score_rollout(
+            sampled.rollout,
+            sampled.mine,
+            group,
+            inputs.tokenizer,
+            inputs.rewards,
+            episodes=sampled.episodes,
+        )
 
     rollouts = None
     try:
