@@ -69,6 +69,18 @@ def multiturn_runs(rank: int, root: str) -> dict:
         return made
 
     results = {"history": run(config_from_dict(tables("run", 3), source))}
+    ahead = ["whole", "preempted"]
+    for name in ahead:
+        made = tables(name, 5)
+        made["rollout"]["max_off_policy_steps"] = 1
+        made["checkpoint"]["interval"] = 2
+        made.pop("eval")
+        ahead_source = config_from_dict(made, source)
+        if name == "preempted":
+            results[name] = preempted_at(ahead_source, stop_after=3)
+            results["after"] = run(ahead_source, resume=True)
+        else:
+            results[name] = run(ahead_source)
     dynamic = tables("dynamic", 2)
     dynamic["rollout"] |= {"dynamic_sampling": True, "max_sampling_rounds": 3}
     dynamic.pop("eval")
@@ -83,6 +95,27 @@ def multiturn_runs(rank: int, root: str) -> dict:
     except EnvError as err:
         results["error"] = str(err)
     return results
+
+
+def preempted_at(config, stop_after: int) -> list[dict]:
+    """The run, sent SIGTERM while it trains step `stop_after`."""
+    import signal
+
+    from titan_learner.job import grpo
+
+    train_on, calls = grpo.train_on, {"n": 0}
+
+    def signalled(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == stop_after:
+            signal.raise_signal(signal.SIGTERM)
+        return train_on(*args, **kwargs)
+
+    grpo.train_on = signalled
+    try:
+        return run(config)
+    finally:
+        grpo.train_on = train_on
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +148,22 @@ def test_a_user_environment_with_a_tool_trains_through_the_job(runs):
     )
     went_on = [s for s in samples if s["turns"] > 1]
     assert went_on and all("Go on." in s["episode"] for s in went_on)
+
+
+def test_episodes_sampled_ahead_resume_exactly_after_a_preemption(runs):
+    """One step off-policy: episodes sampled in the rollout thread under the previous version
+    (the engine mismatch measured under the weights kept for it); SIGTERM at step 3, between
+    sync points, saves step 4's queued episodes, and the resumed run trains on them as the
+    uninterrupted run did."""
+    _, results = runs
+    whole = results["whole"]
+    assert [m["staleness_max"] for m in whole] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert all(m["turns_mean"] >= 1 and "reward/env_mean" in m for m in whole)
+    assert len(results["preempted"]) == 3 and len(results["after"]) == 2
+    keys = ["reward_mean", "loss_objective", "grad_norm", "staleness_max", "turns_mean"]
+    keys += ["tool_calls_mean", "episode_tokens_mean", "reward/env_mean"]
+    for got, want in zip(results["preempted"] + results["after"], whole, strict=True):
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
 
 
 def test_dynamic_sampling_keeps_whole_groups_of_episodes(runs):

@@ -112,15 +112,6 @@ BAD_CONFIGS = {
         [],
         exact("[tool] must be an array of tables, written [[tool]]"),
     ),
-    "tools_sampled_ahead": (
-        '[rollout]\nmax_off_policy_steps = 1\n\n[[tool]]\nfunction = "tools.py:lookup"\n',
-        [],
-        exact(
-            "[rollout] max_off_policy_steps: multi-turn episodes ([env] class or [[tool]]) are "
-            "sampled in turn so far, got max_off_policy_steps = 1; allowed: "
-            "max_off_policy_steps = 0"
-        ),
-    ),
     "section_not_a_table": (
         "parallelism = 2\n",
         [],

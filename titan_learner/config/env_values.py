@@ -23,8 +23,7 @@ def is_reference(spec: str) -> bool:
 
 
 def check_env(config: Config) -> None:
-    """[env] and [[tool]] references are well formed; multi-turn runs where it is wired (in
-    turn: no rollouts ahead)."""
+    """[env] and [[tool]] references are well formed."""
     env, source = config.env, config.source
     if env.class_ is not None and not is_reference(env.class_):
         raise ConfigError(
@@ -47,14 +46,3 @@ def check_env(config: Config) -> None:
                 source=source,
                 where=describe_location((f"tool[{i}]", "function")),
             )
-    if not multi_turn(config):
-        return
-    rollout = config.rollout
-    if rollout.max_off_policy_steps != 0:
-        raise ConfigError(
-            "multi-turn episodes ([env] class or [[tool]]) are sampled in turn so far, got "
-            f"max_off_policy_steps = {rollout.max_off_policy_steps}; allowed: "
-            "max_off_policy_steps = 0",
-            source=source,
-            where="[rollout] max_off_policy_steps",
-        )

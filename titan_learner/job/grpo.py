@@ -566,6 +566,7 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
                 config.rollout.group_size,
                 inputs.tokenizer,
                 inputs.rewards,
+                sampled.episodes,
             )
         return sampled
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan_learner.data.loader import rank_slice
+from titan_learner.env.episode import Episodes, to_rollout
+from titan_learner.env.episode_record import episodes_from_tensor, episodes_to_tensor
 from titan_learner.ranks import rank
 from titan_learner.rollout.base import Rollout
 from titan_learner.rollout.pipeline import Produced, RolloutPipeline
@@ -223,6 +225,8 @@ class OffPolicyRollouts(Rollouts):
                 f"{tag}_seconds": torch.tensor([produced.value.seconds], dtype=torch.float64),
                 **{f"{tag}_{name}": getattr(rollout, name).cpu() for name in ROLLOUT_TENSORS},
             }
+            if produced.value.episodes is not None:  # multi-turn: the episodes themselves
+                state[f"{tag}_episodes"] = episodes_to_tensor(produced.value.episodes)
         return state | {"layout": self._layout()} if state else {}
 
     def _restore(self, queued: dict[str, torch.Tensor]) -> list[Produced]:
@@ -253,13 +257,21 @@ class OffPolicyRollouts(Rollouts):
                 self.learner.capabilities.data_parallel_size,
             )
             self._epochs[step] = self.loader.epoch
-            rollout = Rollout(
-                prompts=[prompt.ids for prompt in mine],
-                group_size=self.group_size,
-                pad_id=pad_id,
-                weights_version=weights_version,
-                **{name: queued[f"{tag}_{name}"] for name in ROLLOUT_TENSORS},
-            )
             seconds = float(queued[f"{tag}_seconds"])
-            restored.append(Produced(step, version, Sampled(rollout, mine, seconds)))
+            saved, episodes = queued.get(f"{tag}_episodes"), None
+            if saved is None:
+                rollout = Rollout(
+                    prompts=[prompt.ids for prompt in mine],
+                    group_size=self.group_size,
+                    pad_id=pad_id,
+                    weights_version=weights_version,
+                    **{name: queued[f"{tag}_{name}"] for name in ROLLOUT_TENSORS},
+                )
+            else:  # multi-turn: the rollout as the episodes made it (their prompts, mask)
+                ended = episodes_from_tensor(saved)
+                rollout = to_rollout(ended, self.group_size, pad_id, weights_version)
+                episodes = Episodes(ended, rollout)
+            restored.append(
+                Produced(step, version, Sampled(rollout, mine, seconds, episodes=episodes))
+            )
         return restored
