@@ -18,8 +18,6 @@ from titan_learner.job.grpo import run
 from titan_learner.job.telemetry import Telemetry
 from titan_learner.job.wandb_run import RUN_ID_FILE, WandbRun
 
-pytest.importorskip("wandb")
-
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
 OFFLINE = 'logging.wandb={project="toy", mode="offline", name="first", tags=["a", "b"]}'
 
