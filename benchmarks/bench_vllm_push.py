@@ -60,10 +60,15 @@ def first_token_after_push(learner, generator, repeats: int) -> float:
     return min(times)
 
 
-def server_generator(url: str, spec):
+def server_generator(config, url: str, spec):
+    """The server's generator, with the token the server was started with (the run's)."""
+    from titan_learner.vllm.serve import server_token
     from titan_learner.vllm.server_generator import ServerGenerator
 
-    return ServerGenerator([url], spec, eos_id=0, pad_id=0, dtype=torch.float32, sender=True)
+    token = server_token(config)
+    return ServerGenerator(
+        [url], spec, eos_id=0, pad_id=0, dtype=torch.float32, sender=True, token=token
+    )
 
 
 def main() -> int:
@@ -100,7 +105,7 @@ def main() -> int:
             }
             latency = {"vllm": first_token_after_push(learner, engine, args.repeats)}
             if args.server:
-                server = server_generator(args.server, spec)
+                server = server_generator(config, args.server, spec)
                 results["server"] = best_push(learner, lambda: GeneratorSink(server), args.repeats)
                 latency["server"] = first_token_after_push(learner, server, args.repeats)
             sink = VLLMEngineSink(engine.llm)  # last: it takes over the engine's transfer

@@ -48,6 +48,7 @@ GUARDED = [
     ("POST", "reset_prefix_cache"),
     ("GET", "weight_info"),
     ("GET", "is_paused"),
+    ("POST", "weight_checker"),
     ("POST", "inference/v1/generate"),
     ("POST", "v1/completions"),
 ]
@@ -144,9 +145,22 @@ def authorized() -> dict:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
+def served(url: str) -> tuple[str, list]:
+    """What a server samples now: its weight version and the greedy ids and log-probs of two
+    prompts of different lengths (equal only while its weights are)."""
+    from titan_learner.vllm.server_client import ServerClient
+
+    client = ServerClient(url, token=TOKEN, timeout_s=60)
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    greedy["detokenize"] = False
+    samples = [client.generate(prompt, greedy) for prompt in ([5, 6, 7], [8, 9, 10, 11, 12])]
+    return client.weight_version(), samples
+
+
 def test_every_route_but_health_needs_the_token(servers):
     _, urls, _ = servers
     for url in urls:
+        before = served(url)
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
         for method, route in GUARDED:
             for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -156,6 +170,7 @@ def test_every_route_but_health_needs_the_token(servers):
                 assert answer.status_code == 401, (route, answer.status_code, answer.text)
         paused = requests.get(f"{url}/is_paused", headers=authorized(), timeout=10).json()
         assert paused == {"is_paused": False}, "the refused /pause changed nothing"
+        assert served(url) == before, "the refused weight routes changed nothing"
 
 
 def served_version(url: str) -> str:
@@ -255,8 +270,15 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
     logs = [root / f"server{i}.log" for i in range(len(urls))]
     before = [log.stat().st_size for log in logs]
     tamper_in_transit(monkeypatch, generator._transfer.engine)
-    with pytest.raises(WeightsError, match=r"refused export v11.*checksum mismatch"):
+    with pytest.raises(WeightsError) as info:
         generator.load_weights(weights, version=11)
+    refusal = str(info.value)  # both servers refuse; the first one's answer is raised
+    assert "\n" not in refusal, refusal
+    assert refusal.startswith(
+        "the vLLM engine refused export v11, it serves its previous weights: rollout server "
+        f"{urls[0]} answered POST /update_weights with "
+    ), refusal
+    assert "export v11: checksum mismatch, the bytes changed in transit" in refusal, refusal
     assert [served_version(url) for url in urls] == ["10", "10"]
     for log, start in zip(logs, before, strict=True):  # the servers' side: no traceback
         with log.open() as file:

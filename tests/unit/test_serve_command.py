@@ -5,6 +5,7 @@ tests/integration/test_rollout_servers.py."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from titan_learner.vllm.serve import server_command
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
 SERVERS = 'rollout.vllm.servers=["http://127.0.0.1:8001", "http://127.0.0.1:8002"]'
+WITH_TOKEN = {**os.environ, TOKEN_ENV: "s3cret"}
 
 
 def toy(*extra: str):
@@ -35,7 +37,7 @@ def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_the_server_command_carries_what_the_job_needs(monkeypatch):
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
     config = toy("rollout.vllm.enforce_eager=true", "rollout.vllm.max_num_seqs=64", SERVERS)
     argv, env = server_command(config, host="127.0.0.1", port=8123, on_gpu=False, python="py")
     flags = " ".join(argv)
@@ -58,8 +60,9 @@ def test_the_server_command_carries_what_the_job_needs(monkeypatch):
     ):
         assert expected in flags, expected
     assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "gloo"})
-    assert "servers" not in flags and "--middleware" not in argv, "no token: no guard"
-    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert "servers" not in flags and "s3cret" not in flags
+    assert argv[argv.index("--middleware") + 1] == MIDDLEWARE, "loopback is guarded too"
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: "s3cret"}
 
 
 def test_a_token_installs_the_guard_and_never_reaches_the_command_line(monkeypatch, tmp_path):
@@ -78,19 +81,40 @@ def test_a_token_installs_the_guard_and_never_reaches_the_command_line(monkeypat
     ] == ("from-env")
 
 
-def test_serving_beyond_loopback_without_a_token_is_refused(monkeypatch):
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    done = serve("--host", "0.0.0.0")
+NO_TOKEN = (
+    "[rollout.vllm] token_file: a rollout server needs a bearer token: without one, anyone who "
+    "reaches its port (any process on this machine, on loopback) could pause it or load their "
+    "own weights into it; allowed: set TITAN_LEARNER_SERVER_TOKEN in the environment or name a "
+    "file holding it in [rollout.vllm] token_file"
+)
+
+
+@pytest.mark.parametrize("host", [[], ["--host", "0.0.0.0"]], ids=["loopback", "any"])
+def test_serving_without_a_token_is_refused_on_every_host(host):
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    done = serve(*host, "--dry-run", env=env)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == (
-        f"error: {TOY}: --host: serving on 0.0.0.0 without a bearer token would let anyone who "
-        "reaches the port pause the server or load their own weights into it; allowed: set "
-        "TITAN_LEARNER_SERVER_TOKEN or [rollout.vllm] token_file, or serve on 127.0.0.1\n"
-    )
+    assert done.stderr == f"error: {TOY}: {NO_TOKEN}\n"
+
+
+def test_check_flags_servers_without_a_token_source(monkeypatch, tmp_path):
+    """The machine check that train raises (the job sends the token on every request)."""
+    from titan_learner.job.validate import validate
+
+    def token_warnings(*extra: str) -> list[str]:
+        warnings = validate(toy(SERVERS, *extra), world_size=1, on_this_machine=False).warnings
+        return [w for w in warnings if "token" in w]
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert token_warnings() == [f"on this machine, {NO_TOKEN}"]
+    (tmp_path / "token").write_text("s3cret\n")
+    assert token_warnings(f'rollout.vllm.token_file="{tmp_path / "token"}"') == []
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    assert token_warnings() == []
 
 
 def test_dry_run_prints_a_command_a_shell_runs_as_is():
-    done = serve("--port", "8123", "--dry-run")
+    done = serve("--port", "8123", "--dry-run", env=WITH_TOKEN)
     assert done.returncode == 0, done.stderr
     argv = shlex.split(done.stdout)
     assert argv[argv.index("--port") + 1] == "8123"
@@ -100,8 +124,10 @@ def test_dry_run_prints_a_command_a_shell_runs_as_is():
 def test_text_routes_keep_the_tokenizer_and_nothing_else_changes():
     """A judge's server (`--text-routes`): vLLM loads the tokenizer, so /v1/chat/completions
     answers (tests/integration/test_judge_on_titan_serve.py); the rest is a rollout server's."""
-    rollout = shlex.split(serve("--port", "8123", "--dry-run").stdout)
-    judge = shlex.split(serve("--port", "8123", "--text-routes", "--dry-run").stdout)
+    rollout = shlex.split(serve("--port", "8123", "--dry-run", env=WITH_TOKEN).stdout)
+    judge = shlex.split(
+        serve("--port", "8123", "--text-routes", "--dry-run", env=WITH_TOKEN).stdout
+    )
     assert "--skip-tokenizer-init" in rollout
     assert [a for a in rollout if a != "--skip-tokenizer-init"] == judge
 
@@ -140,13 +166,15 @@ def test_a_server_that_is_not_there_is_one_line_after_bounded_retries():
         probe.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
     with pytest.raises(ServerError) as info:
-        ServerClient(url, timeout_s=5).health()
+        ServerClient(url, token="s3cret", timeout_s=5).health()
     assert str(info.value) == (
         f"rollout server {url} is unreachable (GET /health, {CONNECT_RETRIES} tries): "
         "ConnectionError"
     )
     with pytest.raises(ServerError, match=r"unreachable \(POST /start_weight_update, 1 tries\)"):
-        ServerClient(url, timeout_s=5).start_weight_update()  # not repeated: not idempotent
+        ServerClient(
+            url, token="s3cret", timeout_s=5
+        ).start_weight_update()  # not repeated: not idempotent
 
 
 def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):
@@ -163,6 +191,7 @@ def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):
         + [a for s in sets for a in ("--set", s)],
         capture_output=True,
         text=True,
+        env=WITH_TOKEN,
         timeout=300,
     )
     assert done.returncode == 2, done.stderr[-2000:]

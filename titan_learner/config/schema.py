@@ -261,7 +261,8 @@ class RolloutSection:
     update into the engines (auto: ipc for an engine on the rank's own GPU, nccl to servers,
     gloo on CPU); servers = ["http://host:port", ...], running `titan-learner serve` servers to
     sample on instead of an engine per rank; token_file, the file holding the servers' bearer
-    token (or $TITAN_LEARNER_SERVER_TOKEN); sleep_level = 0 | 1, whether an engine on the
+    token (or $TITAN_LEARNER_SERVER_TOKEN; one of the two is required on the servers and the
+    job's nodes); sleep_level = 0 | 1, whether an engine on the
     learner's GPU sleeps between rollouts (vLLM's sleep mode: weights to host memory, KV cache
     dropped, so the update has the GPU; default 1 on a GPU when max_off_policy_steps = 0, else
     0)."""

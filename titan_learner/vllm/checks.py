@@ -146,8 +146,18 @@ def check_vllm_machine(
     machine_check(lambda: _check_engine_arguments(config))
     machine_check(lambda: _check_weight_transfer(config))
     machine_check(lambda: _check_sleep_on_cuda(config))
+    machine_check(lambda: _check_server_token(config))
     if not config.rollout.vllm.get("servers"):
         machine_check(lambda: _check_cpu_engine_memory(config, world_size, data_parallel))
+
+
+def _check_server_token(config: Config) -> None:
+    """Servers answer only a bearer token (`titan-learner serve` starts none without one): the
+    job needs the same token, from this machine's environment or the file token_file names."""
+    from titan_learner.vllm.serve import server_token
+
+    if config.rollout.vllm.get("servers"):
+        server_token(config)
 
 
 def _check_cpu_engine_memory(config: Config, world_size: int, data_parallel: int) -> None:

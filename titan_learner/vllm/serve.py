@@ -6,7 +6,8 @@ starts from (`[rollout] model_path` or `[model] hf_checkpoint`), the export dtyp
 seed, a context as long as the job's longest sequence, token ids in and out (no tokenizer),
 raw log-probs, the weight-transfer backend, vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`), the
 [rollout.vllm] engine arguments as flags, and our bearer-token guard on every route but /health.
-It binds 127.0.0.1 unless told otherwise; beyond loopback it refuses to start without a token.
+It binds 127.0.0.1 unless told otherwise, and refuses to start without a token on any host:
+on a shared machine, loopback is open to every other user's processes.
 `--text-routes` loads the model's tokenizer too, so vLLM's text routes (/v1/chat/completions,
 /v1/completions) answer: an LLM judge's server ([[reward]] judge) behind the same guard.
 """
@@ -27,17 +28,23 @@ from titan_learner.vllm.engine_memory import EngineMemory, cpu_engine_defaults, 
 OWN_KEYS = frozenset({"weight_transfer", "servers", "token_file", "sleep_level"})
 """[rollout.vllm] keys that are ours: how weights travel, which servers, where the token is,
 whether a colocated engine sleeps."""
-LOOPBACK = ("127.", "localhost", "::1")
+NO_TOKEN = (
+    "a rollout server needs a bearer token: without one, anyone who reaches its port (any "
+    "process on this machine, on loopback) could pause it or load their own weights into it; "
+    f"allowed: set {TOKEN_ENV} in the environment or name a file holding it in "
+    "[rollout.vllm] token_file"
+)
 
 
-def server_token(config: Config) -> str | None:
+def server_token(config: Config) -> str:
     """The servers' bearer token: $TITAN_LEARNER_SERVER_TOKEN, else the file [rollout.vllm]
-    token_file names (never the TOML text itself: config.toml copies would carry it)."""
+    token_file names (never the TOML text itself: config.toml copies would carry it). Both a
+    server and the job need it, on every host: there is no unguarded server."""
     if token := os.environ.get(TOKEN_ENV):
         return token
     path = config.rollout.vllm.get("token_file")
     if path is None:
-        return None
+        raise ConfigError(NO_TOKEN, source=config.source, where="[rollout.vllm] token_file")
     try:
         token = Path(path).read_text().strip()
     except OSError as err:
@@ -86,14 +93,6 @@ def server_command(
     except ValueError as err:
         raise ConfigError(str(err), source=config.source, where=where) from None
     token = server_token(config)
-    if token is None and not host.startswith(LOOPBACK):
-        raise ConfigError(
-            f"serving on {host} without a bearer token would let anyone who reaches the port "
-            f"pause the server or load their own weights into it; allowed: set {TOKEN_ENV} or "
-            "[rollout.vllm] token_file, or serve on 127.0.0.1",
-            source=config.source,
-            where="--host",
-        )
     model = engine_model_path(config)
     if model is None:
         raise ConfigError(
@@ -121,11 +120,8 @@ def server_command(
     if not on_gpu:
         engine |= cpu_engine_defaults(engine, _server_memory(config))
     argv += engine_flags(engine)
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if token is not None:
-        argv += ["--middleware", MIDDLEWARE]
-        env[TOKEN_ENV] = token
-    return argv, env
+    argv += ["--middleware", MIDDLEWARE]
+    return argv, {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
 
 
 def _server_memory(config: Config) -> EngineMemory:

@@ -3,18 +3,15 @@
 vLLM's four weight-sync calls (so a `ServerClient` is a `VLLMWeightSyncClient` that trainer
 engines drive), pause/resume around an update, the version it serves, and token-in/token-out
 generation: prompt ids in; sampled ids, their log-probs and the weight version that sampled
-them out, never text (no retokenization). Every request carries the bearer token when one is set
-(`TITAN_LEARNER_SERVER_TOKEN`). A server that cannot be reached, or answers an error, is one
-`ServerError` naming it, the route and its answer.
+them out, never text (no retokenization). Every request carries the servers' bearer token
+(`titan-learner serve` starts none without one). A server that cannot be reached, or answers
+an error, is one `ServerError` naming it, the route and its answer.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
-
-from titan_learner.vllm.auth import TOKEN_ENV
 
 DEFAULT_TIMEOUT_S = 300.0
 CONNECT_RETRIES = 3
@@ -27,13 +24,10 @@ class ServerError(RuntimeError):
 
 
 class ServerClient:
-    def __init__(
-        self, url: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> None:
+    def __init__(self, url: str, *, token: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"Authorization": f"Bearer {token}"}
 
     def _call(self, method: str, route: str, *, retry: bool = True, **kwargs: Any) -> Any:
         import requests

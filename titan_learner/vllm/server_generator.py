@@ -51,7 +51,7 @@ class ServerGenerator:
         dtype: torch.dtype,
         sender: bool,
         weight_transfer: str = "auto",
-        token: str | None = None,
+        token: str,
         timeout_s: float = 300.0,
         gate: PushGate | None = None,
     ) -> None:
