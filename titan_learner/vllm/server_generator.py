@@ -74,10 +74,13 @@ class ServerGenerator:
         )
         self._transfer = None
         if sender:
-            from titan_learner.vllm.transfer import EngineWeightTransfer
+            from titan_learner.vllm.transfer import EngineWeightTransfer, address_toward
 
             self._transfer = EngineWeightTransfer(
-                self.group, self.weight_transfer, self.group.total_workers
+                self.group,
+                self.weight_transfer,
+                self.group.total_workers,
+                address=address_toward(urls[0]),  # servers on other nodes connect back here
             )
         self.weights_version = 0
 

@@ -8,6 +8,7 @@ the four control calls (a `vllm.LLM` does), and sends one export per `send(named
 from __future__ import annotations
 
 import socket
+import urllib.parse
 from typing import Any
 
 import torch
@@ -20,6 +21,19 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def address_toward(url: str) -> str:
+    """This machine's address on its route to `url`'s host: where a server there reaches the
+    trainer's rendezvous for a weight broadcast (127.0.0.1 for a server on this machine). A
+    UDP socket's connect picks the route and sends nothing."""
+    parts = urllib.parse.urlsplit(url)
+    family, _, _, _, where = socket.getaddrinfo(
+        parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM
+    )[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(where)
+        return probe.getsockname()[0]
 
 
 def trainer_init_info(backend: str, workers: int, address: str = "127.0.0.1") -> Any:
@@ -65,14 +79,16 @@ class OfflineClient:
 class EngineWeightTransfer:
     """One engine's weights, sent through vLLM's trainer engine for `backend`."""
 
-    def __init__(self, client: Any, backend: str, workers: int) -> None:
+    def __init__(self, client: Any, backend: str, workers: int, address: str = "127.0.0.1"):
+        """`address`: where the engine's workers reach this process (`address_toward` a
+        server on another machine)."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         register()
         self.backend = backend
         self.source = NamedTensorSource()
         self.engine = WeightTransferTrainerFactory.trainer_init(
-            trainer_init_info(backend, workers), client=client, source=self.source
+            trainer_init_info(backend, workers, address), client=client, source=self.source
         )
 
     def send(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
