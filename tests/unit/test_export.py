@@ -449,6 +449,20 @@ def test_missing_checkpoint(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_run_that_saved_nothing_says_why_its_checkpoints_are_missing(tmp_path, capsys):
+    """The README's run without [checkpoint] interval: metrics.jsonl but no checkpoints/."""
+    run_dir = tmp_path / "outputs" / "my_grpo"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "training/reward_mean": 0.5}\n')
+    assert_one_error(
+        *export(capsys, "--checkpoint", run_dir / "checkpoints", "--out", tmp_path / "hf"),
+        f"error: checkpoint directory {run_dir / 'checkpoints'} not found: the run in {run_dir} "
+        "saved no checkpoint ([checkpoint] interval = 0, the default, saves none); allowed: "
+        "train with [checkpoint] interval = N (every N steps) and export its checkpoints/\n",
+    )
+    assert not (tmp_path / "hf").exists()
+
+
 def test_missing_step(llama, tmp_path, capsys):
     assert_one_error(
         *export(capsys, "--checkpoint", llama.root, "--out", tmp_path / "hf", "--step", "7"),

@@ -102,7 +102,9 @@ def export_checkpoint(
     _check_out_dir(out)
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory {checkpoint_dir} not found")
+        raise CheckpointError(
+            f"checkpoint directory {checkpoint_dir} not found{_why(checkpoint_dir)}"
+        )
     resolve(checkpoint_dir, step)  # no checkpoint, an uncommitted one, no metadata: say so now
     config = _resolve_config(checkpoint_dir, config)
     if torch_dtype is None:
@@ -144,6 +146,18 @@ def _check_out_dir(out: Path) -> None:
             f"output directory {out} is not empty; refusing to overwrite it. Allowed: a new or "
             "empty directory"
         )
+
+
+def _why(checkpoint_dir: Path) -> str:
+    """A run's output directory without checkpoints: its config saved none (interval 0, the
+    default), which is what a new user who left out [checkpoint] meets at export."""
+    if not (checkpoint_dir.parent / "metrics.jsonl").is_file():
+        return ""
+    return (
+        f": the run in {checkpoint_dir.parent} saved no checkpoint ([checkpoint] interval = 0, "
+        "the default, saves none); allowed: train with [checkpoint] interval = N (every N "
+        "steps) and export its checkpoints/"
+    )
 
 
 def _resolve_config(checkpoint_dir: Path, config: Config | str | os.PathLike | None) -> Config:
