@@ -40,7 +40,8 @@ def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
     every_2 = ["checkpoint.interval=2"]
     return {
         "whole": short_run(rank, f"{root}/whole", 4, every_2),
-        "first": short_run(rank, f"{root}/cut", 2, every_2),
+        # 3 steps with a save every 2: the last step is saved too, and the resume starts there
+        "first": short_run(rank, f"{root}/cut", 3, every_2),
         "resumed": short_run(rank, f"{root}/cut", 4, every_2, resume=True),
     }
 
@@ -120,14 +121,14 @@ def test_seeded_run_learns_and_reproduces(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     runs = run_world(1, interrupted_and_whole, str(tmp_path))[0]
-    assert len(runs["first"]) == 2 and len(runs["resumed"]) == 2
+    assert len(runs["first"]) == 3 and len(runs["resumed"]) == 1
     for got, want in zip(runs["first"] + runs["resumed"], runs["whole"], strict=True):
         for key in ("reward_mean", "loss_objective", "grad_norm", "policy_version"):
             assert got[key] == want[key], key
     steps = [line["step"] for line in training_lines(tmp_path / "cut")]
     assert steps == [1, 2, 3, 4], "the resumed run appends to the metrics, no duplicate steps"
     elapsed = [line["training/elapsed_s"] for line in training_lines(tmp_path / "cut")]
-    assert elapsed == sorted(elapsed) and elapsed[2] > elapsed[1], "continued, not restarted"
+    assert elapsed == sorted(elapsed) and elapsed[3] > elapsed[2], "continued, not restarted"
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step-4"
 
 

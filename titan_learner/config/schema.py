@@ -419,7 +419,7 @@ class EvalSection:
 @dataclass
 class CheckpointSection:
     interval: int = field(default=0, metadata=NON_NEGATIVE)
-    """Save every N steps (0: never)."""
+    """Save every N steps and at the last step (0: never)."""
     keep_latest_k: int = field(default=2, metadata=POSITIVE)
     """Committed checkpoints kept: older ones are deleted after each save commits."""
     async_save: bool = False

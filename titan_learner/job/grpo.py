@@ -639,7 +639,9 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
                             "continue with --resume",
                             flush=True,
                         )
-                    elif config.checkpoint.interval and step % config.checkpoint.interval == 0:
+                    elif config.checkpoint.interval and (
+                        step % config.checkpoint.interval == 0 or step == config.run.steps
+                    ):  # the last step too: a run's end is never left unsaved
                         save(asynchronous=config.checkpoint.async_save, export=True)
                 if stop:
                     break
