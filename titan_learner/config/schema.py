@@ -253,19 +253,8 @@ class RolloutSection:
     [model] hf_checkpoint. Its parameter shapes must be the learner's; the learner's weights
     replace its own before the first rollout."""
     vllm: dict[str, Any] = field(default_factory=dict)
-    """vllm only: keyword arguments of `vllm.LLM` ([rollout.vllm] gpu_memory_utilization,
-    enforce_eager, max_model_len, ...). Defaults: dtype = [learner] export_dtype, seed = [run]
-    seed, max_model_len = [data] max_prompt_tokens + the longest max_new_tokens,
-    gpu_memory_utilization 0.5 on a GPU. Four keys are ours: weight_transfer = "auto" | "ipc" |
-    "nccl" | "nccl_m2n" | "gloo", the backend of vLLM's RL weight-transfer API that moves each
-    update into the engines (auto: ipc for an engine on the rank's own GPU, nccl to servers,
-    gloo on CPU); servers = ["http://host:port", ...], running `titan-learner serve` servers to
-    sample on instead of an engine per rank; token_file, the file holding the servers' bearer
-    token (or $TITAN_LEARNER_SERVER_TOKEN; one of the two is required on the servers and the
-    job's nodes); sleep_level = 0 | 1, whether an engine on the
-    learner's GPU sleeps between rollouts (vLLM's sleep mode: weights to host memory, KV cache
-    dropped, so the update has the GPU; default 1 on a GPU when max_off_policy_steps = 0, else
-    0)."""
+    """vllm only: the engines' table, [rollout.vllm]: our keys (weight_transfer, servers,
+    token_file, sleep_level) and keyword arguments of `vllm.LLM`."""
 
 
 @dataclass
@@ -459,14 +448,15 @@ class WandbSection:
     """[logging] wandb = { project = "...", ... }: the run's metrics in Weights & Biases too."""
 
     project: str | None = None
-    """None: W&B's default project."""
+    """Unset: W&B's default project."""
     entity: str | None = None
-    """The team or user; None: W&B's default entity of the logged-in user."""
+    """The team or user; unset: W&B's default entity of the logged-in user."""
     mode: Literal["online", "offline", "disabled"] = "online"
     """offline: written under <output_dir>/wandb for `wandb sync` later; disabled: no run."""
     name: str | None = None
-    """The run's display name; None: W&B picks one."""
+    """The run's display name; unset: W&B picks one."""
     tags: list[str] = field(default_factory=list)
+    """Labels to filter runs by in the W&B UI."""
 
 
 @dataclass
@@ -475,7 +465,7 @@ class LoggingSection:
     """Off a terminal (a log file, CI): the plain metrics line every N steps (and always the
     last). On a terminal the progress bar shows every step; `--verbose` adds the line there."""
     wandb: WandbSection | None = None
-    """None: no Weights & Biases run (needs `pip install "titan_learner[wandb]"`)."""
+    """Unset: no Weights & Biases run (needs `pip install "titan_learner[wandb]"`)."""
 
 
 @dataclass

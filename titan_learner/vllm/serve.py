@@ -21,11 +21,12 @@ from typing import Any
 
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
+from titan_learner.config.vllm_keys import VLLM_OWN_KEYS
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from titan_learner.vllm.backends import resolve_weight_transfer
 from titan_learner.vllm.engine_memory import EngineMemory, cpu_engine_defaults, job_engine_memory
 
-OWN_KEYS = frozenset({"weight_transfer", "servers", "token_file", "sleep_level"})
+OWN_KEYS = frozenset(VLLM_OWN_KEYS)
 """[rollout.vllm] keys that are ours: how weights travel, which servers, where the token is,
 whether a colocated engine sleeps."""
 NO_TOKEN = (
