@@ -66,11 +66,18 @@ def k_by_hand(estimator: str, log_pi: torch.Tensor, log_ref: torch.Tensor) -> to
     return (torch.exp(-r) - 1 + r).clamp(-K3_CLAMP, K3_CLAMP)
 
 
-def test_kl_in_the_loss_is_torchrl_k3_by_hand_values_and_gradients():
-    """placement = "loss": loss_kl_to_ref = coeff x the mean over response tokens of
-    exp(ref - pi) - (ref - pi) - 1, its gradient through pi (with the clipped objective's)."""
-    trained = LocalLearner(CONFIG)
-    reference = ReferenceModel(CONFIG)
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_in_the_loss_is_its_estimator_by_hand_values_and_gradients(estimator):
+    """placement = "loss": loss_kl_to_ref = coeff x the mean over response tokens of the
+    estimator (k3: TorchRL's exp(ref - pi) - (ref - pi) - 1; k1: pi - ref; k2: (pi - ref)^2 / 2),
+    its gradient through pi (with the clipped objective's), on rows of varied length."""
+    config = tiny_config(
+        loss={"entropy_bonus": False, "kl_to_ref_coeff": COEFF},
+        learner={"clip_norm": 0.0},
+        kl={"estimator": estimator},
+    )
+    trained = LocalLearner(config)
+    reference = ReferenceModel(config)
     for batch in batches(2, varied=True, seed=3):  # move the policy off the reference
         trained.update(with_reference_log_probs(batch, reference, 1))
     policy = transformers_twin(trained)
@@ -83,13 +90,13 @@ def test_kl_in_the_loss_is_torchrl_k3_by_hand_values_and_gradients():
     with torch.no_grad():
         log_ref = response_log_probs(ref_model, batch)
     objective, _ = by_hand("ppo", log_pi, log_mu, advantage, 0.2, 0.2)
-    kl = k_by_hand("k3", log_pi, log_ref).mean()
+    kl = k_by_hand(estimator, log_pi, log_ref).mean()
     (objective.mean() + COEFF * kl).backward()
     expected = {name: p.grad for name, p in policy.named_parameters()}
 
     metrics, got = update_with_gradients(trained, batch)
 
-    assert kl.item() > 1e-4, "the policy moved: a KL to measure"
+    assert abs(kl.item()) > 1e-4, "the policy moved: a KL to measure"
     assert metrics["kl_to_ref"] == pytest.approx(kl.item(), rel=1e-4)
     assert metrics["loss_kl_to_ref"] == pytest.approx(COEFF * kl.item(), rel=1e-4)
     assert set(got) == set(expected)
