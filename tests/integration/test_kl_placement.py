@@ -109,7 +109,11 @@ def test_kl_in_the_reward_is_the_summed_estimator_before_the_group_advantage(est
     """placement = "reward": reward_i - coeff x sum_t k(log mu_t - log ref_t), then
     A_i = (r'_i - mean_group) / (std_group + 1e-4); the behaviour log-probs mu are a
     transformers policy's, the reference's scored unpadded by transformers too."""
-    config = tiny_config(kl={"placement": "reward", "coeff": COEFF, "estimator": estimator})
+    config = tiny_config(
+        loss={"entropy_bonus": False},
+        learner={"clip_norm": 0.0},
+        kl={"placement": "reward", "coeff": COEFF, "estimator": estimator},
+    )
     reference = ReferenceModel(config)
     batch = batches(1, grouped=True, seed=5)[0]
     learner = LocalLearner(config)
@@ -139,6 +143,19 @@ def test_kl_in_the_reward_is_the_summed_estimator_before_the_group_advantage(est
         out.get(ADVANTAGE_KEY).reshape(-1), want.reshape(-1), atol=1e-4, rtol=1e-4
     )
     assert torch.equal(out.get(REWARD_KEY), rewards), "the scored reward is kept as it was"
+
+    # the step trains on the penalized advantages: GRPO's clipped objective with them, by hand
+    twin = transformers_twin(learner)
+    advantage = want.reshape(-1, 1).expand_as(mask)[mask]
+    objective, _ = by_hand("ppo", response_log_probs(twin, out), log_mu, advantage, 0.2, 0.2)
+    objective.mean().backward()
+    expected = {name: p.grad for name, p in twin.named_parameters()}
+    metrics, got = update_with_gradients(learner, out)
+    assert metrics["loss_objective"] == pytest.approx(objective.mean().item(), rel=1e-4)
+    assert any(grad.abs().max() > 0 for grad in expected.values()), "a gradient to compare"
+    assert set(got) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def kl_jobs(rank: int, root: str) -> dict[str, list[dict]]:
