@@ -66,11 +66,18 @@ def k_by_hand(estimator: str, log_pi: torch.Tensor, log_ref: torch.Tensor) -> to
     return (torch.exp(-r) - 1 + r).clamp(-K3_CLAMP, K3_CLAMP)
 
 
-def test_kl_in_the_loss_is_torchrl_k3_by_hand_values_and_gradients():
-    """placement = "loss": loss_kl_to_ref = coeff x the mean over response tokens of
-    exp(ref - pi) - (ref - pi) - 1, its gradient through pi (with the clipped objective's)."""
-    trained = LocalLearner(CONFIG)
-    reference = ReferenceModel(CONFIG)
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_in_the_loss_is_its_estimator_by_hand_values_and_gradients(estimator):
+    """placement = "loss": loss_kl_to_ref = coeff x the mean over response tokens of the
+    estimator (k3: TorchRL's exp(ref - pi) - (ref - pi) - 1; k1: pi - ref; k2: (pi - ref)^2 / 2),
+    its gradient through pi (with the clipped objective's), on rows of varied length."""
+    config = tiny_config(
+        loss={"entropy_bonus": False, "kl_to_ref_coeff": COEFF},
+        learner={"clip_norm": 0.0},
+        kl={"estimator": estimator},
+    )
+    trained = LocalLearner(config)
+    reference = ReferenceModel(config)
     for batch in batches(2, varied=True, seed=3):  # move the policy off the reference
         trained.update(with_reference_log_probs(batch, reference, 1))
     policy = transformers_twin(trained)
@@ -83,13 +90,13 @@ def test_kl_in_the_loss_is_torchrl_k3_by_hand_values_and_gradients():
     with torch.no_grad():
         log_ref = response_log_probs(ref_model, batch)
     objective, _ = by_hand("ppo", log_pi, log_mu, advantage, 0.2, 0.2)
-    kl = k_by_hand("k3", log_pi, log_ref).mean()
+    kl = k_by_hand(estimator, log_pi, log_ref).mean()
     (objective.mean() + COEFF * kl).backward()
     expected = {name: p.grad for name, p in policy.named_parameters()}
 
     metrics, got = update_with_gradients(trained, batch)
 
-    assert kl.item() > 1e-4, "the policy moved: a KL to measure"
+    assert abs(kl.item()) > 1e-4, "the policy moved: a KL to measure"
     assert metrics["kl_to_ref"] == pytest.approx(kl.item(), rel=1e-4)
     assert metrics["loss_kl_to_ref"] == pytest.approx(COEFF * kl.item(), rel=1e-4)
     assert set(got) == set(expected)
@@ -102,7 +109,11 @@ def test_kl_in_the_reward_is_the_summed_estimator_before_the_group_advantage(est
     """placement = "reward": reward_i - coeff x sum_t k(log mu_t - log ref_t), then
     A_i = (r'_i - mean_group) / (std_group + 1e-4); the behaviour log-probs mu are a
     transformers policy's, the reference's scored unpadded by transformers too."""
-    config = tiny_config(kl={"placement": "reward", "coeff": COEFF, "estimator": estimator})
+    config = tiny_config(
+        loss={"entropy_bonus": False},
+        learner={"clip_norm": 0.0},
+        kl={"placement": "reward", "coeff": COEFF, "estimator": estimator},
+    )
     reference = ReferenceModel(config)
     batch = batches(1, grouped=True, seed=5)[0]
     learner = LocalLearner(config)
@@ -132,6 +143,19 @@ def test_kl_in_the_reward_is_the_summed_estimator_before_the_group_advantage(est
         out.get(ADVANTAGE_KEY).reshape(-1), want.reshape(-1), atol=1e-4, rtol=1e-4
     )
     assert torch.equal(out.get(REWARD_KEY), rewards), "the scored reward is kept as it was"
+
+    # the step trains on the penalized advantages: GRPO's clipped objective with them, by hand
+    twin = transformers_twin(learner)
+    advantage = want.reshape(-1, 1).expand_as(mask)[mask]
+    objective, _ = by_hand("ppo", response_log_probs(twin, out), log_mu, advantage, 0.2, 0.2)
+    objective.mean().backward()
+    expected = {name: p.grad for name, p in twin.named_parameters()}
+    metrics, got = update_with_gradients(learner, out)
+    assert metrics["loss_objective"] == pytest.approx(objective.mean().item(), rel=1e-4)
+    assert any(grad.abs().max() > 0 for grad in expected.values()), "a gradient to compare"
+    assert set(got) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def kl_jobs(rank: int, root: str) -> dict[str, list[dict]]:

@@ -29,13 +29,15 @@ from titan_learner.learner.local import LocalLearner
 MAX_NEW_TOKENS = 24  # the constant of seq_mean_token_sum_norm, above the longest row's 15
 LOSSES = {
     "grpo": {"name": "grpo"},
+    "dapo": {"name": "dapo", "clip_epsilon": [0.2, 0.28]},  # DAPO's decoupled clip bounds
     "cispo": {"name": "cispo", "clip_epsilon": [0.2, 0.28]},
     "gspo": {"name": "gspo", "clip_epsilon": [0.2, 0.28]},
 }
 
 
 def terms_by_hand(loss: str, log_pi, log_mu, advantage, rows, count):
-    """Each response token's loss term: GRPO -min(r A, clip(r, 0.8, 1.2) A); CISPO
+    """Each response token's loss term: GRPO -min(r A, clip(r, 0.8, 1.2) A); DAPO the same
+    with its decoupled bounds, clip(r, 0.8, 1.28); CISPO
     -sg(clip(r, 0.8, 1.28)) A log pi; GSPO -min(s A, clip(s, 0.8, 1.28) A), s the row's
     exp(mean of log r)."""
     log_ratio = log_pi - log_mu

@@ -131,6 +131,61 @@ def test_values_gradients_and_fractions_are_the_correction_by_hand(case):
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+OTHER_LOSSES = {
+    "cispo": {"name": "cispo", "clip_epsilon": [0.2, 0.28]},
+    "gspo": {"name": "gspo", "clip_epsilon": [0.2, 0.28]},
+}
+
+
+def objective_at_ratio_one(loss: str, log_pi, advantage, rows, count):
+    """Each token's objective on the current policy, before the weight: CISPO -A log pi (its
+    clipped weight sg(clip(pi / sg(pi))) is 1); GSPO -A s, s = exp(row mean of
+    log pi - sg(log pi)), 1 in value, the row's mean log-prob gradient on each token."""
+    if loss == "cispo":
+        return -advantage * log_pi
+    log_s = row_means(log_pi - log_pi.detach(), rows, count)[rows]
+    return -advantage * log_s.exp()
+
+
+@pytest.mark.parametrize("case", ["token truncate", "sequence truncate", "sequence mask"])
+@pytest.mark.parametrize("loss", list(OTHER_LOSSES))
+def test_cispo_and_gspo_take_the_correction_as_a_weight_on_their_own_objective(loss, case):
+    """The correction means for CISPO and GSPO what it means for GRPO: the loss's objective on
+    the current policy, each token's term times sg(w); for GSPO at token level each token's w
+    weighs its row's sequence-ratio gradient (the row's mean w, in effect)."""
+    keys, level, mode, low, high = CASES[case]
+    trained = LocalLearner(
+        tiny_config(
+            loss={**OTHER_LOSSES[loss], "entropy_bonus": False, **keys},
+            learner={"clip_norm": 0.0},
+        )
+    )
+    model = transformers_twin(trained)
+    batch = clipping_batch(model)
+    mask = batch.get(ASSISTANT_MASK_KEY)
+    rows, count = token_rows(batch), mask.shape[0]
+    advantage = batch.get(ADVANTAGE_KEY).reshape(-1, 1).expand_as(mask)[mask]
+    log_pi = response_log_probs(model, batch)
+    log_mu = batch.get(LOG_PROBS_KEY)[mask]
+    grpo_terms, _, cut = correction_by_hand(
+        log_pi, log_mu, advantage, rows, count, level, mode, low, high
+    )
+    assert 0.05 < cut.float().mean() < 0.95, "the fixture must cut some tokens and not others"
+    weight = grpo_terms.detach() / -advantage  # sg(w): GRPO's term at ratio 1 is -w A
+    terms = weight * objective_at_ratio_one(loss, log_pi, advantage, rows, count)
+    # each loss's default aggregation: cispo token_mean, gspo prompt_mean (the mean of row means)
+    objective = terms.mean() if loss == "cispo" else row_means(terms, rows, count).mean()
+    objective.backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+
+    metrics, got = update_with_gradients(trained, batch)
+
+    assert metrics["loss_objective"] == pytest.approx(objective.item(), rel=1e-5, abs=1e-7)
+    assert set(got) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 def test_no_correction_reports_none():
     trained = LocalLearner(tiny_config())
     metrics, _ = update_with_gradients(trained, clipping_batch(transformers_twin(trained)))

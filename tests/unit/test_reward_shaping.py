@@ -56,10 +56,11 @@ REFUSED = {
         "its coefficient is [loss] kl_to_ref_coeff; allowed: [loss] kl_to_ref_coeff = 0.1, or "
         "[kl] placement = 'reward'",
     ),
-    "k1 in the loss": (
-        {"kl": {"estimator": "k1"}, "loss": {"kl_to_ref_coeff": 0.1}},
-        "tests: [kl] estimator: 'k1' with placement = 'loss': TorchRL's KL in the loss is k3; "
-        "allowed: 'k3', or placement = 'reward' (k1, k2, k3)",
+    "an estimator with no KL": (
+        {"kl": {"estimator": "k2"}},
+        "tests: [kl] estimator: 'k2' with no KL (placement = 'loss' and no [loss] "
+        "kl_to_ref_coeff) estimates nothing; allowed: [loss] kl_to_ref_coeff > 0, or "
+        "placement = 'reward' with [kl] coeff > 0",
     ),
     "two KLs": (
         {"kl": {"placement": "reward", "coeff": 0.1}, "loss": {"kl_to_ref_coeff": 0.1}},

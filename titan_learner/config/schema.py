@@ -185,9 +185,10 @@ class AdvantageSection:
 class KLSection:
     """The KL to the reference policy (the initial weights): in the loss or in the reward.
 
-    placement = "loss": TorchRL's term in the loss, coeff x mean over trained tokens of k3; its
-    coefficient is [loss] kl_to_ref_coeff (TorchRL's key, unchanged), so [kl] coeff stays 0
-    and the estimator k3 (the only one TorchRL's loss has). placement = "reward" (verl's
+    placement = "loss": the KL term in the loss, coeff x mean over trained tokens of the
+    estimator (k3 by default, TorchRL's own term; k1 or k2 as verl's kl_loss_type); its
+    coefficient is [loss] kl_to_ref_coeff (TorchRL's key, unchanged), so [kl] coeff stays 0.
+    placement = "reward" (verl's
     `use_kl_in_reward`): each completion's reward is reduced by coeff x the sum of its token
     KLs before the group advantage (titan_learner.job.kl_reward), with [loss] kl_to_ref_coeff
     unset (one KL, not two)."""
@@ -201,8 +202,8 @@ class KLSection:
     estimator: Literal["k1", "k2", "k3"] | None = None
     """The per-token estimate of KL(pi || pi_ref) from r = log pi - log pi_ref (verl's
     `kl_penalty`): k1 = r ("kl"), k2 = r^2 / 2 ("mse"), k3 = exp(-r) - 1 + r ("low_var_kl",
-    clamped to [-10, 10] as verl does). Default: k3 in the loss (TorchRL's), k1 in the reward
-    (verl's default)."""
+    clamped to [-10, 10] as verl does in the reward; the loss's k3 is TorchRL's, unclamped).
+    Default: k3 in the loss (TorchRL's), k1 in the reward (verl's default)."""
 
 
 @dataclass

@@ -128,10 +128,11 @@ def check_kl(config: Config) -> None:
             source=config.source,
             where="[kl] coeff",
         )
-    if kl.placement == "loss" and kl.estimator not in (None, "k3"):
+    if kl.placement == "loss" and kl.estimator and not in_loss:
         raise ConfigError(
-            f"'{kl.estimator}' with placement = 'loss': TorchRL's KL in the loss is k3; "
-            "allowed: 'k3', or placement = 'reward' (k1, k2, k3)",
+            f"'{kl.estimator}' with no KL (placement = 'loss' and no [loss] kl_to_ref_coeff) "
+            "estimates nothing; allowed: [loss] kl_to_ref_coeff > 0, or placement = 'reward' "
+            "with [kl] coeff > 0",
             source=config.source,
             where="[kl] estimator",
         )

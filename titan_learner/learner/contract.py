@@ -112,7 +112,12 @@ class Learner:
         self.loss_module = (
             loss_module
             if loss_module is not None
-            else build_loss(config.loss, self.policy, max_new_tokens=config.rollout.max_new_tokens)
+            else build_loss(
+                config.loss,
+                self.policy,
+                max_new_tokens=config.rollout.max_new_tokens,
+                kl_estimator=config.kl.estimator if config.kl.placement == "loss" else None,
+            )
         )
         reject_unsynchronized_loss_parameters(
             self.loss_module, model, capabilities.data_parallel_size

@@ -15,6 +15,11 @@ pi_old / mu of verl's decoupled rollout correction.
 - mode "mask": w = r inside [low, high], 0 outside: IcePop (token level; Ling team, 2025)
   and verl's "mask" (sequence level: its "geo_mean" ratio).
 
+Every loss takes it the same way, its objective at ratio 1 times sg(w) per token: CISPO
+-w A log pi (its clipped weight is 1), GSPO -w A s with s = pi / sg(pi) over the row (at token
+level each token's w weighs its row's sequence gradient: the row's mean w, in effect); both
+levels make sense for each (tests/unit/test_correction.py checks them by hand).
+
 The loss output reports, as means over the trained tokens, `correction/truncated_fraction`
 and `correction/masked_fraction` (the share of tokens whose weight the bounds cut or zeroed),
 `correction/ratio_mean`, and the largest ratio `correction/ratio_max`; with `tis_cap`, also

@@ -68,6 +68,46 @@ class TokenMeanKL:
         return loss * scale, penalty * scale
 
 
+class ReferenceKLEstimator:
+    """The reference KL's per-token estimate in the loss: `[kl] estimator` (verl's
+    `kl_loss_type`), from r = log pi - log pi_ref of each trained token.
+
+    k3 (None, the default) is TorchRL's own term, exp(-r) - 1 + r unclamped, its numbers
+    unchanged; k1 = r ("kl") and k2 = r^2 / 2 ("mse") are taken on the same masked log-probs
+    and averaged over the same padded positions, which `TokenMeanKL` (outside this class) turns
+    into a mean over trained tokens. The gradient flows through log pi only.
+    """
+
+    kl_estimator: str | None = None
+
+    def _kl_to_ref(self, tensordict: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if self.kl_estimator in (None, "k3"):
+            return super()._kl_to_ref(tensordict, *args, **kwargs)  # type: ignore[misc]
+        coeff = kwargs.get("coeff")
+        coeff = self.kl_to_ref_coeff if coeff is None else coeff  # type: ignore[attr-defined]
+        # TorchRL's k3 of the same masked log-probs gives them shaped and checked: recover r
+        # from its inputs instead of reading the batch a second time
+        cur = tensordict.get("_cur_log_prob")
+        ref = tensordict.get(
+            kwargs.get("key", ("next", "ref_log_probs")),
+            as_padded_tensor=True,
+            padding_side=self.ref_log_prob_padding_side,  # type: ignore[attr-defined]
+            padding_value=self.ref_log_prob_padding_value,  # type: ignore[attr-defined]
+        )
+        if ref is None:
+            return super()._kl_to_ref(tensordict, *args, **kwargs)  # type: ignore[misc]  (its error)
+        if ref.ndim == cur.ndim + 1:
+            ref = ref.squeeze(-1)
+        if ref.shape != cur.shape:
+            return super()._kl_to_ref(tensordict, *args, **kwargs)  # type: ignore[misc]  (its error)
+        mask = kwargs.get("mask")
+        r = cur - ref
+        if mask is not None:
+            r = torch.where(mask, r, 0.0)
+        penalty = (r if self.kl_estimator == "k1" else 0.5 * r.square()).mean()
+        return coeff * penalty, penalty
+
+
 class TrainedTokens:
     """The forward's trained-token mask and its count (at least 1), computed once.
 
@@ -413,7 +453,8 @@ def token_mean_diagnostics(out: MutableMapping[str, Any], loss_module: nn.Module
 
 @functools.cache
 def titan_loss_class(cls: type) -> type:
-    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `LogProbMismatch`,
+    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `ReferenceKLEstimator`,
+    `LogProbMismatch`,
     `TokenMeanDiagnostics`, `BehaviourCorrection`, `TokenMeanAggregation`,
     `RowSumAggregation`, `TrainedTokens` (the others read its mask and count) and, innermost,
     `MaskedLogWeight`, `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own
@@ -421,6 +462,7 @@ def titan_loss_class(cls: type) -> type:
     bases = (
         LeanForward,
         TokenMeanKL,
+        ReferenceKLEstimator,
         LogProbMismatch,
         TokenMeanDiagnostics,
         BehaviourCorrection,
@@ -442,10 +484,15 @@ def titan_loss_class(cls: type) -> type:
 
 
 def build_loss(
-    section: LossSection, actor: nn.Module, *, max_new_tokens: int | None = None
+    section: LossSection,
+    actor: nn.Module,
+    *,
+    max_new_tokens: int | None = None,
+    kl_estimator: str | None = None,
 ) -> nn.Module:
     """Instantiate the TorchRL loss over `actor` with the configured keyword arguments;
-    `max_new_tokens` ([rollout]) is `seq_mean_token_sum_norm`'s constant."""
+    `max_new_tokens` ([rollout]) is `seq_mean_token_sum_norm`'s constant, `kl_estimator`
+    ([kl] estimator with placement = "loss") the reference KL's per-token estimate."""
     kwargs = {**PROJECT_DEFAULTS, **section.kwargs}
     if isinstance(kwargs.get("clip_epsilon"), list):
         kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
@@ -459,5 +506,6 @@ def build_loss(
     except (TypeError, ValueError) as err:
         raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err
     loss.max_new_tokens = max_new_tokens
+    loss.kl_estimator = kl_estimator
     loss.correction = correction
     return loss
