@@ -30,6 +30,7 @@ from titan_learner.learner.batch import (
     LOG_PROBS_KEY,
     REF_LOG_PROBS_KEY,
 )
+from titan_learner.learner.kl_estimators import per_token_kl
 from titan_learner.rollout.base import REWARD_KEY
 
 if TYPE_CHECKING:
@@ -56,15 +57,9 @@ def reward_estimator(config: Config) -> str:
 
 
 def token_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Each token's estimate of KL(pi || pi_ref) (k1, k2 or k3 of the module docstring)."""
-    r = log_probs.float() - ref_log_probs.float()
-    if estimator == "k1":
-        return r
-    if estimator == "k2":
-        return 0.5 * r.square()
-    if estimator == "k3":
-        return (torch.expm1(-r) + r).clamp(-K3_CLAMP, K3_CLAMP)
-    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: k1, k2, k3")
+    """Each token's estimate of KL(pi || pi_ref) (learner.kl_estimators; k3 clamped)."""
+    value = per_token_kl(log_probs.float() - ref_log_probs.float(), estimator)
+    return value.clamp(-K3_CLAMP, K3_CLAMP) if estimator == "k3" else value
 
 
 def sequence_kl(batch: TensorDictBase, estimator: str) -> torch.Tensor:

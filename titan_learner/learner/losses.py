@@ -27,6 +27,7 @@ from titan_learner.learner.batch import trained_mask
 from titan_learner.learner.cispo import MiniMaxCISPOLoss
 from titan_learner.learner.correction import BehaviourCorrection, build_correction
 from titan_learner.learner.gspo import GSPOLoss
+from titan_learner.learner.kl_estimators import per_token_kl
 from titan_learner.learner.logprobs import ChunkedTokenCategorical
 from titan_learner.learner.policy import TitanPolicy
 
@@ -104,7 +105,7 @@ class ReferenceKLEstimator:
         r = cur - ref
         if mask is not None:
             r = torch.where(mask, r, 0.0)
-        penalty = (r if self.kl_estimator == "k1" else 0.5 * r.square()).mean()
+        penalty = per_token_kl(r, self.kl_estimator).mean()
         return coeff * penalty, penalty
 
 
