@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,11 @@ def vllm_job(rank: int, root: str) -> dict:
         checkpoint={"interval": 2},
     )
     history = run(config_from_dict(tables, source))
+    # what a crash during step 3's save leaves: step 2 the last committed (the last step of a
+    # run is saved too, so only a crash leaves a step unsaved)
+    checkpoints = root / "run" / "out" / "checkpoints"
+    shutil.rmtree(checkpoints / "step-3")
+    (checkpoints / "latest").write_text("step-2\n")
     tables["run"]["steps"] = 4
     resumed = run(config_from_dict(tables, source), resume=True)
     # One step off-policy: the engine samples in the pipeline's thread while the learner trains.
