@@ -96,23 +96,36 @@ def correction_by_hand(log_pi, log_mu, advantage, rows, count, level, mode, low,
     return -weight * advantage * on_policy, ratio, cut
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_values_gradients_and_fractions_are_the_correction_by_hand(case):
-    loss, level, mode, low, high = CASES[case]
+def learner_and_twin(loss: dict):
+    """A learner with `[loss] loss` (no entropy bonus, no clipping of the norm), its
+    transformers twin, the clipping batch, and the by-hand inputs: each trained token's
+    advantage, log pi, row, and the count of rows."""
     trained = LocalLearner(
         tiny_config(loss={"entropy_bonus": False, **loss}, learner={"clip_norm": 0.0})
     )
     model = transformers_twin(trained)
     batch = clipping_batch(model)
     mask = batch.get(ASSISTANT_MASK_KEY)
-    rows, count = token_rows(batch), mask.shape[0]
     advantage = batch.get(ADVANTAGE_KEY).reshape(-1, 1).expand_as(mask)[mask]
-    log_pi = response_log_probs(model, batch)
-    log_mu = batch.get(LOG_PROBS_KEY)[mask]
+    inputs = (advantage, response_log_probs(model, batch), token_rows(batch), mask.shape[0])
+    return trained, model, batch, inputs
+
+
+def corrected(batch, advantage, log_pi, rows, count, level, mode, low, high):
+    """GRPO's corrected terms by hand, checking the fixture cuts some tokens and not others."""
+    log_mu = batch.get(LOG_PROBS_KEY)[batch.get(ASSISTANT_MASK_KEY)]
     terms, ratio, cut = correction_by_hand(
         log_pi, log_mu, advantage, rows, count, level, mode, low, high
     )
     assert 0.05 < cut.float().mean() < 0.95, "the fixture must cut some tokens and not others"
+    return terms, ratio, cut
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_values_gradients_and_fractions_are_the_correction_by_hand(case):
+    loss, level, mode, low, high = CASES[case]
+    trained, model, batch, (advantage, log_pi, rows, count) = learner_and_twin(loss)
+    terms, ratio, cut = corrected(batch, advantage, log_pi, rows, count, level, mode, low, high)
     terms.mean().backward()
     expected = {name: p.grad for name, p in model.named_parameters()}
 
@@ -154,23 +167,10 @@ def test_cispo_and_gspo_take_the_correction_as_a_weight_on_their_own_objective(l
     the current policy, each token's term times sg(w); for GSPO at token level each token's w
     weighs its row's sequence-ratio gradient (the row's mean w, in effect)."""
     keys, level, mode, low, high = CASES[case]
-    trained = LocalLearner(
-        tiny_config(
-            loss={**OTHER_LOSSES[loss], "entropy_bonus": False, **keys},
-            learner={"clip_norm": 0.0},
-        )
+    trained, model, batch, (advantage, log_pi, rows, count) = learner_and_twin(
+        {**OTHER_LOSSES[loss], **keys}
     )
-    model = transformers_twin(trained)
-    batch = clipping_batch(model)
-    mask = batch.get(ASSISTANT_MASK_KEY)
-    rows, count = token_rows(batch), mask.shape[0]
-    advantage = batch.get(ADVANTAGE_KEY).reshape(-1, 1).expand_as(mask)[mask]
-    log_pi = response_log_probs(model, batch)
-    log_mu = batch.get(LOG_PROBS_KEY)[mask]
-    grpo_terms, _, cut = correction_by_hand(
-        log_pi, log_mu, advantage, rows, count, level, mode, low, high
-    )
-    assert 0.05 < cut.float().mean() < 0.95, "the fixture must cut some tokens and not others"
+    grpo_terms, _, _ = corrected(batch, advantage, log_pi, rows, count, level, mode, low, high)
     weight = grpo_terms.detach() / -advantage  # sg(w): GRPO's term at ratio 1 is -w A
     terms = weight * objective_at_ratio_one(loss, log_pi, advantage, rows, count)
     # each loss's default aggregation: cispo token_mean, gspo prompt_mean (the mean of row means)
