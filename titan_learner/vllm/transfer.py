@@ -1,7 +1,8 @@
 """The trainer side of one engine's weight transfer, on vLLM's own RL API.
 
 `EngineWeightTransfer` builds the trainer engine for a backend through vLLM's
-`WeightTransferTrainerFactory` (our gloo backend registered first), with a client that answers
+`WeightTransferTrainerFactory` (our gloo backend registered first; `nccl` joined from a secret,
+`nccl_rendezvous`), with a client that answers
 the four control calls (a `vllm.LLM` does), and sends one export per `send(named, version)`.
 """
 
@@ -13,14 +14,9 @@ from typing import Any
 
 import torch
 
+from titan_learner.vllm.nccl_rendezvous import secret_nccl_trainer
 from titan_learner.vllm.plugin import register
 from titan_learner.vllm.sources import NamedTensorSource
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def address_toward(url: str) -> str:
@@ -46,12 +42,6 @@ def trainer_init_info(backend: str, workers: int, address: str = "127.0.0.1") ->
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         return IPCTrainerInitInfo(rank=0)
-    if backend == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        return NCCLTrainerInitInfo(
-            rank=0, master_address=address, master_port=free_port(), world_size=1 + workers
-        )
     raise ValueError(f"no trainer init info for weight transfer backend {backend!r}")
 
 
@@ -80,13 +70,17 @@ class EngineWeightTransfer:
     """One engine's weights, sent through vLLM's trainer engine for `backend`."""
 
     def __init__(self, client: Any, backend: str, workers: int, address: str = "127.0.0.1"):
-        """`address`: where the engine's workers reach this process (`address_toward` a
-        server on another machine)."""
+        """`address`: where the engine's workers reach this process's gloo rendezvous
+        (`address_toward` a server on another machine); NCCL's bootstrap picks its own
+        interface (`NCCL_SOCKET_IFNAME`)."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         register()
         self.backend = backend
         self.source = NamedTensorSource()
+        if backend == "nccl":  # vLLM's engine, joined from a secret (vllm.nccl_rendezvous)
+            self.engine = secret_nccl_trainer(workers, client, self.source)
+            return
         self.engine = WeightTransferTrainerFactory.trainer_init(
             trainer_init_info(backend, workers, address), client=client, source=self.source
         )
