@@ -97,6 +97,25 @@ def test_serving_without_a_token_is_refused_on_every_host(host):
     assert done.stderr == f"error: {TOY}: {NO_TOKEN}\n"
 
 
+def test_train_with_servers_and_no_token_stops_before_anything_is_written(tmp_path):
+    """The job sends the token on every request: without a source it is one line, exit 2,
+    before the run directory exists (nothing started, nothing to lose)."""
+    out = tmp_path / "run"
+    sets = [SERVERS, 'rollout.generator="vllm"', f'run.output_dir="{out}"']
+    command = [sys.executable, "-m", "titan_learner", "train", "--config", str(TOY)]
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    done = subprocess.run(
+        [*command, *(a for s in sets for a in ("--set", s))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"error: {TOY}: {NO_TOKEN}\n"
+    assert not out.exists()
+
+
 def test_check_flags_servers_without_a_token_source(monkeypatch, tmp_path):
     """The machine check that train raises (the job sends the token on every request)."""
     from titan_learner.job.validate import validate
