@@ -161,6 +161,16 @@ WORLD2 = {
         "accumulate": True,
         "varied": True,
     },
+    "varied kl_k2 dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "loss": {"kl_to_ref_coeff": 0.1},
+            "kl": {"estimator": "k2"},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
 }
 WORLD4 = {
     "dp_shard=2 x tp=2": {"sections": {"parallelism": {"dp_shard": 2, "tp": 2}}},
@@ -192,13 +202,13 @@ WORLD4 = {
 def local_run(
     model: str,
     varied: bool = False,
-    loss: dict | None = None,
+    sections: dict | None = None,
     grouped: bool = False,
     skipped: int | None = None,
 ) -> dict:
     """The one-process reference: one update per global batch (prompts never shared), but
     the `skipped`-th."""
-    learner = LocalLearner(tiny_config(model, loss=loss or {}))
+    learner = LocalLearner(tiny_config(model, **(sections or {})))
     steps = batches(STEPS, varied=varied, grouped=grouped)
     steps = [batch for i, batch in enumerate(steps) if i != skipped]
     if learner.config.loss.kwargs.get("kl_to_ref_coeff"):
@@ -228,14 +238,15 @@ def reference_for(layout: str, reference, qwen3_reference):
     return qwen3_reference if layout.startswith("qwen3") else reference
 
 
-VARIED_LOSSES = {
-    "prompt_mean": {"aggregation": "prompt_mean"},
-    "seq_mean_token_sum": {"aggregation": "seq_mean_token_sum"},
-    "seq_mean_token_sum_norm": {"aggregation": "seq_mean_token_sum_norm"},
-    "gspo": {"name": "gspo", "clip_epsilon": [0.2, 0.28]},
-    "correction": {"correction": {"mode": "mask", "low": 0.5, "high": 2.0}},
-    "kl": {"kl_to_ref_coeff": 0.1},
-    "cispo": {"name": "cispo", "clip_epsilon": [0.2, 0.28]},
+VARIED_SECTIONS = {
+    "prompt_mean": {"loss": {"aggregation": "prompt_mean"}},
+    "seq_mean_token_sum": {"loss": {"aggregation": "seq_mean_token_sum"}},
+    "seq_mean_token_sum_norm": {"loss": {"aggregation": "seq_mean_token_sum_norm"}},
+    "gspo": {"loss": {"name": "gspo", "clip_epsilon": [0.2, 0.28]}},
+    "correction": {"loss": {"correction": {"mode": "mask", "low": 0.5, "high": 2.0}}},
+    "kl": {"loss": {"kl_to_ref_coeff": 0.1}},
+    "kl_k2": {"loss": {"kl_to_ref_coeff": 0.1}, "kl": {"estimator": "k2"}},
+    "cispo": {"loss": {"name": "cispo", "clip_epsilon": [0.2, 0.28]}},
 }
 
 
@@ -247,9 +258,9 @@ def grouped_reference() -> dict:
 
 @functools.cache
 def varied_reference(layout: str) -> dict:
-    """The one-process run on the varied batches, with the layout's loss."""
-    loss = next((v for k, v in VARIED_LOSSES.items() if f" {k} " in f" {layout} "), {})
-    return local_run("llama3", varied=True, loss=loss)
+    """The one-process run on the varied batches, with the layout's loss (and KL) sections."""
+    sections = next((v for k, v in VARIED_SECTIONS.items() if f" {k} " in f" {layout} "), {})
+    return local_run("llama3", varied=True, sections=sections)
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +328,12 @@ def test_two_process_layouts_match_local(world2, reference, qwen3_reference, lay
     reference = reference_for(layout, reference, qwen3_reference)
     rank0, rank1 = world2
     # With accumulation the stepping call reports the whole window's loss terms.
-    compared = COMPARED + (("loss_kl_to_ref",) if " kl " in layout else ())
+    kl = " kl " in layout or " kl_k2 " in layout
+    compared = COMPARED + (("loss_kl_to_ref",) if kl else ())
+    if " kl_k2 " in layout:  # the estimator is in force on both sides: k2 is not k3's value
+        k3 = varied_reference("varied kl dp_shard=2 accumulate 2")["metrics"]
+        pairs = zip(reference["metrics"], k3, strict=True)
+        assert all(a["loss_kl_to_ref"] != b["loss_kl_to_ref"] for a, b in pairs)
     if " correction " in layout:
         compared += CORRECTION_METRICS
         masked = [m["correction/masked_fraction"] for m in reference["metrics"]]
