@@ -38,6 +38,7 @@ ORDER = (
     "off_policy",
     "rewards",
     "learning",
+    "learning_tools",
 )
 """The table's row order; a result not named here comes after these, by file name."""
 

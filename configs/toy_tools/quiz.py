@@ -1,11 +1,16 @@
-"""The multi-turn default's environment: the question is a key, the answer the digit the tool
-stores under it, which is not in the prompt.
+"""The multi-turn default's environment: the question names a sensor, the answer is its
+current reading, which only a call to the tool in this episode tells (readings change with
+every call, so no table of answers can be learned).
 
-Reward of an episode, given when the model answers (a turn that is no tool call):
-- 1 when the answer starts with the right digit;
-- 0.1 for having called the tool, and 0.1 for each letter of the key it called with that is
-  right: partial credit, so that a policy starting from random weights finds the call (a 0/1
-  reward on the answer alone would almost never come through the tool at the start).
+Reward of an episode, given when the model answers (a turn that is no tool call), from the
+episode's last call and the tool's reply to it:
+- 1 when the call named the question's sensor and the answer starts with the reply;
+- otherwise partial credit, so that a policy from random weights finds the call and the
+  reading: 0.1 for having called, 0.2 more when the call named the right sensor, 0.2 more when
+  the answer starts with the reply. Neither part pays without the skill it stands for: a
+  constant call earns the sensor's 0.2 on one question in ten, and a constant answer matches a
+  fresh reading one time in ten.
+- 0 without a call.
 """
 
 from __future__ import annotations
@@ -13,13 +18,19 @@ from __future__ import annotations
 
 class Quiz:
     def reset(self, row: dict) -> list[dict]:
-        self.key, self.answer = row["key"], row["answer"]
+        self.key = row["key"]
         return [{"role": "user", "content": self.key}]
 
     def step(self, messages: list[dict], completion: str) -> tuple[list[dict], float, bool]:
-        calls = [m["content"] for m in messages[1:-1] if m["role"] == "assistant"]
-        credit = 0.0
-        if calls:
-            call = calls[0].strip()
-            credit = 0.1 + 0.1 * sum(a == b for a, b in zip(call, self.key, strict=False))
-        return [], float(completion.strip()[:1] == self.answer) + credit, True
+        turns = messages[1:-1]
+        calls = [i for i, m in enumerate(turns) if m["role"] == "assistant"]
+        if not calls:
+            return [], 0.0, True
+        last = calls[-1]
+        key = turns[last]["content"].strip()
+        reply = turns[last + 1]["content"] if last + 1 < len(turns) else None
+        right_key = key == self.key
+        read = reply is not None and completion.strip()[:1] == reply
+        if right_key and read:
+            return [], 1.0, True
+        return [], 0.1 + 0.2 * right_key + 0.2 * read, True

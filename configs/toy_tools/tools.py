@@ -1,17 +1,21 @@
-"""The multi-turn default's tool: a secret table from two-letter keys to digits."""
+"""The multi-turn default's tool: sensors whose readings change from one call to the next, so
+that only a call made in the episode can tell the current reading (none can be memorized)."""
 
 from __future__ import annotations
 
 import random
 
-LETTERS = "abcdefghij"
-_DIGITS = random.Random(37)
-TABLE = {a + b: str(_DIGITS.randrange(10)) for a in LETTERS for b in LETTERS}
+SENSORS = "abcdefghij"
+_READINGS = random.Random(37)
+"""One seeded stream for every call: a run's readings repeat when its calls come in the same
+order (the config answers calls on one thread)."""
 
 
 def lookup(key: str) -> str:
-    """The digit stored under a key.
+    """The current reading of a sensor, a digit; each call reads it anew.
 
-    key: two letters from a to j
+    key: the sensor, one letter from a to j
     """
-    return TABLE[key]
+    if key not in SENSORS or len(key) != 1:
+        raise ValueError(f"no sensor {key!r}; sensors: one letter from a to j")
+    return str(_READINGS.randrange(10))

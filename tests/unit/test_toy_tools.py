@@ -1,6 +1,7 @@
 """The multi-turn default's files (configs/toy_tools): a character tokenizer with a chat
-template, lookup questions whose answers only the tool knows, the tool-call parser and the
-environment's reward; scripts/make_toy_tools_data.py rebuilds them byte for byte."""
+template, questions whose answers only the tool knows (sensor readings that change with every
+call), the tool-call parser and the environment's reward; scripts/make_toy_tools_data.py
+rebuilds them byte for byte."""
 
 from __future__ import annotations
 
@@ -37,45 +38,58 @@ def rows(name: str) -> list[dict]:
 def test_one_token_a_character_and_the_chat_template(tokenizer):
     assert len(tokenizer) == 28
     chat = [
-        {"role": "user", "content": "cf"},
-        {"role": "assistant", "content": "cf"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "c"},
         {"role": "tool", "content": "7"},
     ]
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    assert text == "<bos><user>cf<sep><assistant>cf<eos><tool>7<sep><assistant>"
+    assert text == "<bos><user>c<sep><assistant>c<eos><tool>7<sep><assistant>"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == 13 and tokenizer.decode(ids) == text
+    assert len(ids) == 11 and tokenizer.decode(ids) == text
 
 
-def test_the_answers_are_the_tools_and_the_eval_keys_are_held_out():
-    table = module("tools").TABLE
-    train, held_out = rows("train.jsonl"), rows("eval.jsonl")
-    assert (len(train), len(held_out)) == (80, 20)
-    assert all(row["answer"] == table[row["key"]] for row in train + held_out)
-    assert not {r["key"] for r in train} & {r["key"] for r in held_out}
+def test_every_sensor_is_asked_and_no_row_holds_its_reading():
+    sensors = module("tools").SENSORS
+    expected = [{"key": k, "answer": f"lookup({k})"} for k in sensors]
+    assert sensors == "abcdefghij"
+    assert rows("train.jsonl") == expected and rows("eval.jsonl") == expected
 
 
-def test_a_turn_of_two_letters_is_a_call():
+def test_a_reading_changes_from_call_to_call_and_only_sensors_are_read():
+    lookup = module("tools").lookup
+    readings = [lookup("c") for _ in range(200)]
+    assert set(readings) == set("0123456789")
+    again = module("tools").lookup  # a fresh process: the same seeded readings
+    assert readings == [again("c") for _ in range(200)]
+    with pytest.raises(ValueError, match="no sensor 'cf'; sensors: one letter from a to j"):
+        lookup("cf")
+
+
+def test_a_turn_of_one_letter_is_a_call():
     parse = module("parse").parse
-    assert parse("cf") == [{"name": "lookup", "arguments": {"key": "cf"}}]
-    assert parse("7") == [] and parse("cfa") == [] and parse("c7") == []
+    assert parse("c") == [{"name": "lookup", "arguments": {"key": "c"}}]
+    assert parse("7") == [] and parse("cf") == [] and parse("k") == [] and parse("") == []
 
 
 @pytest.mark.parametrize(
     ("turns", "answer", "reward"),
     [
-        ([], "7", 1.0),  # answered without the tool, right
-        ([], "3", 0.0),
-        (["cf"], "7", 1.3),  # called with the right key, then right
-        (["cx"], "3", 0.2),  # called, one letter right, then wrong
-        (["ab"], "7", 1.1),
+        ([], "7", 0.0),  # no call: nothing, whatever the answer
+        ([("c", "7")], "7", 1.0),  # the asked sensor, its reading
+        ([("c", "7")], "3", 0.3),  # the asked sensor, another digit
+        ([("a", "7")], "7", 0.3),  # another sensor's reading, read right
+        ([("a", "4")], "7", 0.1),  # called, nothing else right
+        ([("c", "7")], "", 0.3),  # no answer at all
+        ([("a", "4"), ("c", "7")], "7", 1.0),  # the last call counts
+        ([("c", "7"), ("a", "4")], "7", 0.1),
+        ([("c", "error: x")], "e", 0.3),  # an error is no reading
     ],
 )
-def test_the_quiz_rewards_the_answer_and_the_call(turns, answer, reward):
+def test_the_quiz_pays_the_reading_of_the_asked_sensor(turns, answer, reward):
     quiz = module("quiz").Quiz()
-    messages = quiz.reset({"key": "cf", "answer": "7"})
-    for call in turns:
-        messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": "?"}]
+    messages = quiz.reset({"key": "c", "answer": "lookup(c)"})
+    for call, reply in turns:
+        messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": reply}]
     messages.append({"role": "assistant", "content": answer})
     new, got, done = quiz.step(messages, answer)
     assert new == [] and done and got == pytest.approx(reward)
