@@ -28,7 +28,7 @@ from torchrl.trainers.trainers import OptimizationStepper
 from titan_learner.checkpoint.packing import pack_param_groups, unpack_param_groups
 from titan_learner.config.schema import Config
 from titan_learner.dtypes import DTYPES
-from titan_learner.learner.batch import check_and_count
+from titan_learner.learner.batch import REF_LOG_PROBS_KEY, check_and_count
 from titan_learner.learner.guards import (
     OptimizerCoverageCheck,
     load_loss_own_state,
@@ -46,11 +46,13 @@ from titan_learner.learner.normalization import (
     counts_of,
     metric_terms,
     micro_batch_counts,
+    step_counts,
     sums_and_maxima_over,
     term_kind,
 )
 from titan_learner.learner.optimizer import build_lr_scheduler, build_optimizer
 from titan_learner.learner.policy import TitanPolicy
+from titan_learner.learner.reference_scoring import Reference, with_reference_log_probs
 from titan_learner.learner.stepper import TitanOptimizationStepper
 from titan_learner.ranks import rank
 from titan_learner.weights.export import DEFAULT_BUCKET_BYTES, WeightExport, iter_hf_tensors
@@ -244,6 +246,38 @@ class Learner:
         return TensorDict(out, batch_size=[])
 
     # -- the contract -------------------------------------------------------------------------
+
+    def train_step(
+        self, rank_batch: TensorDictBase, reference: Reference | None = None
+    ) -> TensorDict:
+        """One optimizer step over this rank's whole batch: split, counted and, with a
+        `reference`, scored for the KL to it (unless the batch carries its log-probs already).
+
+        The split: `[learner] max_tokens_per_microbatch = N` hands the batch to one `update`,
+        which packs it by length (titan_learner.learner.microbatch); otherwise it is cut into
+        `[learner] grad_accum_steps` micro-batches by count, each updated with the step's
+        counts (`normalization.step_counts`), so the loss is the step's mean over all of its
+        tokens. Returns the metrics of the call that stepped. Every rank must call it.
+        """
+        if reference is not None and REF_LOG_PROBS_KEY not in rank_batch.keys(True):
+            rank_batch = self.score_reference(rank_batch, reference)
+        if self.config.learner.max_tokens_per_microbatch:
+            return self.update(rank_batch)
+        micros = rank_batch.chunk(self.config.learner.grad_accum_steps)
+        counts = step_counts(micros)  # the step's mean is over all its tokens
+        for micro in micros:
+            metrics = self.update(micro, step_counts=counts)
+        return metrics
+
+    def score_reference(self, rank_batch: TensorDictBase, reference: Reference) -> TensorDict:
+        """The batch with the reference's log-probs, scored in the micro-batches by count that
+        `train_step` takes (whole under a token budget). A collective.
+
+        For callers that need them before the step (a KL in the reward changes the advantages;
+        `mask_truncated` drops rows): `train_step` then keeps the ones the batch carries."""
+        budget = self.config.learner.max_tokens_per_microbatch
+        parts = 1 if budget else self.config.learner.grad_accum_steps
+        return with_reference_log_probs(rank_batch, reference, parts)
 
     def update(
         self,
