@@ -20,9 +20,9 @@ from tests.support.models import (
     tiny_config,
     with_ref_log_probs,
 )
-from titan_learner.learner import losses
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, check_batch
 from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.loss import losses
 
 HELPERS = (
     (losses.MaskedLogWeight, "_log_weight"),

@@ -1,6 +1,6 @@
 """The TorchRL methods our losses override, pinned to TorchRL 0.14.1's signatures.
 
-Our mixins (titan_learner/learner/losses.py, correction.py, aggregation.py) and published
+Our mixins (titan_learner/learner/loss/losses.py, correction.py, aggregation.py) and published
 objectives (gspo.py, cispo.py) override private methods of TorchRL's GRPO family and call them
 through super(). A TorchRL release that renames one, reorders its arguments or changes what it
 returns would break the loss silently (the override no longer called) or loudly deep inside a
@@ -15,7 +15,7 @@ import inspect
 import pytest
 from torchrl.objectives.llm.grpo import DAPO, CISPOLoss, GRPOLoss
 
-from titan_learner.learner.losses import PUBLISHED_OBJECTIVES, titan_loss_class
+from titan_learner.learner.loss.losses import PUBLISHED_OBJECTIVES, titan_loss_class
 
 TORCHRL_BASES = (GRPOLoss, DAPO, CISPOLoss)
 

@@ -15,7 +15,7 @@ from tests.support.models import SEQ_LEN, batches, state, tiny_config, with_ref_
 from titan_learner.job.reference import ReferenceModel
 from titan_learner.learner.batch import REF_LOG_PROBS_KEY
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.normalization import step_counts
+from titan_learner.learner.loss.normalization import step_counts
 from titan_learner.learner.reference_scoring import with_reference_log_probs
 
 SPLITS = {

@@ -4,9 +4,9 @@ Which class a name means, and the check of its keyword arguments, are config val
 (`titan_learner.config.validate`); this module instantiates it, with one change of
 normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
 Where TorchRL's class departs from the published algorithm, or has none, the subclass that
-follows the paper is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`;
-gspo, `titan_learner.learner.gspo`). Every loss takes the row-sum aggregations
-(`titan_learner.learner.aggregation`) and `[loss.correction]` (`titan_learner.learner.correction`).
+follows the paper is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.loss.cispo`;
+gspo, `titan_learner.learner.loss.gspo`). Every loss takes the row-sum aggregations
+(`titan_learner.learner.loss.aggregation`) and `[loss.correction]` (`titan_learner.learner.loss.correction`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from tensordict import TensorDict
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.loss_values import PROJECT_DEFAULTS, correction_table
 from titan_learner.config.validate import loss_class
-from titan_learner.learner.aggregation import RowSumAggregation
 from titan_learner.learner.batch import trained_mask
-from titan_learner.learner.cispo import MiniMaxCISPOLoss
-from titan_learner.learner.correction import BehaviourCorrection, build_correction
-from titan_learner.learner.gspo import GSPOLoss
-from titan_learner.learner.kl_estimators import per_token_kl
-from titan_learner.learner.logprobs import ChunkedTokenCategorical
-from titan_learner.learner.policy import TitanPolicy
+from titan_learner.learner.forward.logprobs import ChunkedTokenCategorical
+from titan_learner.learner.forward.policy import TitanPolicy
+from titan_learner.learner.loss.aggregation import RowSumAggregation
+from titan_learner.learner.loss.cispo import MiniMaxCISPOLoss
+from titan_learner.learner.loss.correction import BehaviourCorrection, build_correction
+from titan_learner.learner.loss.gspo import GSPOLoss
+from titan_learner.learner.loss.kl_estimators import per_token_kl
 
 if TYPE_CHECKING:
     from torch import nn
