@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from titan_learner.learner.batch import check_and_count
-from titan_learner.learner.loss.losses import LeanForward, record, token_mean_diagnostics
+from titan_learner.learner.loss.losses import LeanForward
 from titan_learner.learner.loss.normalization import (
     MetricTerms,
     StepNormalization,
@@ -75,19 +75,14 @@ class StepperTrainer:
         so the stepper's drop-the-window decision must be the same everywhere.
         """
         module = self.loss_module if method is None else getattr(self.loss_module, method)
-        record(  # what this forward sets (losses.LogProbMismatch, TokenMeanDiagnostics)
-            self.loss_module, logprob_mismatch=None, positions_per_token=None
-        )
         self.summed_loss = None
         # Edited as a dict, a TensorDict built once at the end: the learner's own loss classes
-        # hand their entries over as one, without TorchRL's output class.
+        # hand their entries over as one, without TorchRL's output class, their diagnostics
+        # (log-prob mismatch, token-mean clip fractions and entropy) among them.
         if method is None and isinstance(module, LeanForward):
             out = module(batch, as_dict=True)
         else:
             out = dict(module(batch).items())
-        token_mean_diagnostics(out, self.loss_module)
-        if self.loss_module.logprob_mismatch is not None:
-            out["logprob_mismatch"], out["logprob_mismatch_max"] = self.loss_module.logprob_mismatch
         loss_keys = [k for k in out if isinstance(k, str) and k.startswith("loss")]
         if not loss_keys:
             raise RuntimeError(
