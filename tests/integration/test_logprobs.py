@@ -36,7 +36,7 @@ from titan_learner.learner.forward.logprobs import (
 from titan_learner.learner.forward.logprobs import _scattered as scattered
 from titan_learner.learner.forward.policy import TitanPolicy
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.loss.losses import build_loss
+from titan_learner.learner.loss.classes import build_loss
 
 TOL = 1e-5
 SCORED = 64  # 8 sequences x 8 response tokens: chunk sizes 5 and 7 divide neither it nor B * T

@@ -141,7 +141,7 @@ LOSS_KEYS: dict[str, LossKey] = {
     "ref_log_prob_padding_value": LossKey(
         float, doc="TorchRL's padding value of reference log-probs."
     ),
-    # this project's own (titan_learner.learner.loss.losses, .gspo, .correction, .job.reward_shaping)
+    # this project's own (titan_learner.learner.loss.classes, .gspo, .correction, .job.reward_shaping)
     "tis_cap": LossKey(
         float,
         {"min": 1},

@@ -31,7 +31,7 @@ from titan_learner.config.schema import Config, LossSection
 # (gspo: titan_learner.learner.loss.gspo, over GRPOLoss).
 LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss", "gspo": "GRPOLoss"}
 PROJECT_LOSS_KEYS = ("tis_cap", "correction", "mask_truncated")
-"""[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.loss.losses)."""
+"""[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.loss.classes)."""
 NAMED_LOSS_KEYS = {"gspo": ("gspo_token",)}
 """[loss] keys of this project's own that one loss name takes."""
 

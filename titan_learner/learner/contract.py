@@ -25,7 +25,7 @@ from titan_learner.dtypes import DTYPES
 from titan_learner.learner import state
 from titan_learner.learner.batch import REF_LOG_PROBS_KEY
 from titan_learner.learner.forward.policy import TitanPolicy
-from titan_learner.learner.loss.losses import build_loss
+from titan_learner.learner.loss.classes import build_loss
 from titan_learner.learner.loss.normalization import aggregation_kind, step_counts
 from titan_learner.learner.optim.guards import (
     OptimizerCoverageCheck,

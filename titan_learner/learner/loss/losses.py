@@ -1,44 +1,26 @@
-"""The [loss] section built: TorchRL's own loss class over the learner's policy.
+"""The learner's helpers over TorchRL's GRPO-family losses (the classes: `loss.classes`).
 
-Which class a name means, and the check of its keyword arguments, are config validation
-(`titan_learner.config.validate`); this module instantiates it, with one change of
-normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
-Where TorchRL's class departs from the published algorithm, or has none, the subclass that
-follows the paper is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.loss.cispo`;
-gspo, `titan_learner.learner.loss.gspo`). Every loss takes the row-sum aggregations
-(`titan_learner.learner.loss.aggregation`) and `[loss.correction]` (`titan_learner.learner.loss.correction`).
+One change of normalization (`TokenMeanKL`) so that every term of the loss is a mean over
+trained tokens, the reference KL's estimator, the diagnostics TorchRL's output has no room for
+(returned in the forward's output, `LeanForward.forward`), and TorchRL's helpers computed in
+fewer operators with the same values. Every loss also takes the row-sum aggregations
+(`titan_learner.learner.loss.aggregation`) and `[loss.correction]`
+(`titan_learner.learner.loss.correction`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from titan_learner.config.errors import ConfigError
-from titan_learner.config.loss_values import PROJECT_DEFAULTS, correction_table
-from titan_learner.config.validate import loss_class
 from titan_learner.learner.batch import trained_mask
 from titan_learner.learner.forward.logprobs import ChunkedTokenCategorical
 from titan_learner.learner.forward.policy import TitanPolicy
-from titan_learner.learner.loss.aggregation import RowSumAggregation
-from titan_learner.learner.loss.cispo import MiniMaxCISPOLoss
-from titan_learner.learner.loss.correction import BehaviourCorrection, build_correction
-from titan_learner.learner.loss.gspo import GSPOLoss
 from titan_learner.learner.loss.kl_estimators import per_token_kl
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from titan_learner.config.schema import LossSection
-
-# Where TorchRL's class is not the published algorithm (or TorchRL has none), the subclass that
-# is (by [loss] name).
-PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss, "gspo": GSPOLoss}
 
 
 def forward_values(loss_module: Any) -> dict[str, Any]:
@@ -277,7 +259,7 @@ class LeanForward:
     copy. Anything else takes TorchRL's own forward.
     """
 
-    _torchrl_forward: Any = None  # the loss class's own forward (titan_loss_class sets it)
+    _torchrl_forward: Any = None  # the TorchRL class's own forward (loss.classes sets it)
 
     def forward(self, tensordict: Any, *, as_dict: bool = False) -> Any:
         """TorchRL's output; `as_dict=True`: its entries as a plain dict instead (what the
@@ -465,63 +447,3 @@ def token_mean_diagnostics(out: MutableMapping[str, Any], scale: torch.Tensor | 
     for key in TOKEN_DIAGNOSTICS:
         if key in out:
             out[key] = out[key] * scale
-
-
-@functools.cache
-def titan_loss_class(cls: type) -> type:
-    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `ReferenceKLEstimator`,
-    `LogProbMismatch`,
-    `TokenMeanDiagnostics`, `BehaviourCorrection`, `TokenMeanAggregation`,
-    `RowSumAggregation`, `TrainedTokens` (the others read its mask and count) and, innermost,
-    `MaskedLogWeight`, `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own
-    helpers; the same class on every call."""
-    bases = (
-        LeanForward,
-        TokenMeanKL,
-        ReferenceKLEstimator,
-        LogProbMismatch,
-        TokenMeanDiagnostics,
-        BehaviourCorrection,
-        TokenMeanAggregation,
-        RowSumAggregation,
-        TrainedTokens,
-        MaskedLogWeight,
-        ChunkedEntropy,
-        CachedClipBounds,
-        cls,
-    )
-    mixed = type(cls.__name__, bases, {"__module__": __name__})
-    # TorchRL's loss metaclass wraps the forward of every class it makes (exploration and
-    # recurrent modes around each call): the new class's forward is `LeanForward`'s unwrapped,
-    # and its fallback `cls`'s own, which enters both modes once per call.
-    mixed.forward = LeanForward.forward
-    mixed._torchrl_forward = cls.forward
-    return mixed
-
-
-def build_loss(
-    section: LossSection,
-    actor: nn.Module,
-    *,
-    max_new_tokens: int | None = None,
-    kl_estimator: str | None = None,
-) -> nn.Module:
-    """Instantiate the TorchRL loss over `actor` with the configured keyword arguments;
-    `max_new_tokens` ([rollout]) is `seq_mean_token_sum_norm`'s constant, `kl_estimator`
-    ([kl] estimator with placement = "loss") the reference KL's per-token estimate."""
-    kwargs = {**PROJECT_DEFAULTS, **section.kwargs}
-    if isinstance(kwargs.get("clip_epsilon"), list):
-        kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
-    correction = build_correction(correction_table(kwargs, "[loss]"), "tis_cap" in kwargs)
-    kwargs.pop("correction", None)
-    kwargs.pop("tis_cap", None)
-    kwargs.pop("mask_truncated", None)  # the job's: it leaves truncated rows out of the batch
-    try:
-        base = PUBLISHED_OBJECTIVES.get(section.name) or loss_class(section.name)
-        loss = titan_loss_class(base)(actor, **kwargs)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err
-    loss.max_new_tokens = max_new_tokens
-    loss.kl_estimator = kl_estimator
-    loss.correction = correction
-    return loss
