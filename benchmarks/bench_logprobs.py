@@ -41,7 +41,7 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
     check_batch,
 )
-from titan_learner.learner.policy import TitanPolicy
+from titan_learner.learner.forward.policy import TitanPolicy
 
 GIB = 1024**3
 MMAP_THRESHOLD = "131072"

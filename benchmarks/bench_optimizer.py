@@ -7,7 +7,7 @@ against torch's own on the DTensors, and fused against foreach.
 
 `[optimizer] implementation = "auto"` means torch's fused Adam/AdamW kernels on CUDA and
 `foreach` on a CPU, where the fused ones run too. The learner's Adam and AdamW step each
-rank's local shards (titan_learner.learner.local_shard_adam); TorchTitan's optimizers step
+rank's local shards (titan_learner.learner.optim.local_shard_adam); TorchTitan's optimizers step
 the DTensors through DTensor's dispatch. The learner is built from the config (its model
 sharded as configured), then three optimizers step the same parameters with the same
 gradients, taking turns (drift meets them alike): `torch foreach`, torch's own foreach step
@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor
 from titan_learner.cli import add_config_arguments
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
-from titan_learner.learner.local_shard_adam import local_tensor, torch_step
-from titan_learner.learner.optimizer import build_optimizer
+from titan_learner.learner.optim.local_shard_adam import local_tensor, torch_step
+from titan_learner.learner.optim.optimizer import build_optimizer
 from titan_learner.learner.titan import TitanLearner
 
 IMPLEMENTATIONS = ("foreach", "fused")

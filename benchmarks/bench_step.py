@@ -84,8 +84,8 @@ from titan_learner.learner.batch import (
     grouped_synthetic_batch,
     synthetic_batch,
 )
-from titan_learner.learner.local_shard_adam import torch_step
-from titan_learner.learner.normalization import step_counts
+from titan_learner.learner.loss.normalization import step_counts
+from titan_learner.learner.optim.local_shard_adam import torch_step
 from titan_learner.learner.titan import TitanLearner
 from titan_learner.model.spec import uses_flex_attention
 

@@ -12,7 +12,7 @@ from titan_learner.checkpoint.layout import latest
 from titan_learner.checkpoint.packing import pack_param_groups, unpack_param_groups
 from titan_learner.checkpoint.safe_read import read_metadata
 from titan_learner.checkpoint.save_load import save
-from titan_learner.learner import contract
+from titan_learner.learner import state as learner_state
 from titan_learner.learner.local import LocalLearner
 
 
@@ -44,7 +44,7 @@ def test_a_checkpoint_saved_one_record_per_setting_resumes_exactly(tmp_path, mon
     learner = LocalLearner(tiny_config())
     train(learner, data[:2])
     with monkeypatch.context() as patch:  # the format of checkpoints saved before the packing
-        patch.setattr(contract, "pack_param_groups", lambda flat: flat)
+        patch.setattr(learner_state, "pack_param_groups", lambda flat: flat)
         save(learner, tmp_path).wait()
     keys = read_metadata(latest(tmp_path)).state_dict_metadata
     assert sum(k.startswith("optimizer.param_groups.") for k in keys) > 50

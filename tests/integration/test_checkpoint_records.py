@@ -34,7 +34,7 @@ from titan_learner.checkpoint.layout import METADATA, tmp_dir
 from titan_learner.checkpoint.records import ALIGNMENT, RAW
 from titan_learner.checkpoint.safe_read import read_metadata
 from titan_learner.checkpoint.save_load import load, save
-from titan_learner.learner import contract
+from titan_learner.learner import state as learner_state
 from titan_learner.learner.local import LocalLearner
 
 
@@ -104,7 +104,7 @@ def test_a_checkpoint_of_torch_save_records_resumes_exactly_and_verified(tmp_pat
     with monkeypatch.context() as patch:  # how save() wrote before raw records
         patch.setattr(save_load, "RawWriter", FileSystemWriter)
         patch.setattr(save_load, "commit", commit_with_rehashed_checksums)
-        patch.setattr(contract, "pack_param_groups", pack_as_pairs)
+        patch.setattr(learner_state, "pack_param_groups", pack_as_pairs)
         path = save(learner, tmp_path).wait()
     metadata = read_metadata(path)
     assert not any(info.transform_descriptors for info in metadata.storage_data.values())

@@ -1,5 +1,5 @@
 """A batch that fits one lm_head chunk is scored whole, in its justified layout, without a host
-read (titan_learner.learner.justified_stats): its distribution answers as the chunked path's
+read (titan_learner.learner.forward.justified_stats): its distribution answers as the chunked path's
 (chunks smaller than the batch) and the dense one, values and gradients, on rows of varied
 lengths whose first tokens are scored; what it does not precompute (other values, a lazy
 entropy, samples) it answers through the chunked path's scorer, built on demand."""
@@ -14,9 +14,13 @@ from torchrl.modules.distributions.utils import sample_and_log_prob
 
 from tests.support.models import SEQ_LEN, VOCAB, batches, policy_distribution, tiny_config
 from titan_learner.learner.batch import ATTENTION_MASK_KEY, TOKENS_KEY, check_batch
-from titan_learner.learner.justified_stats import _JustifiedTokenStats
+from titan_learner.learner.forward.justified_stats import _JustifiedTokenStats
+from titan_learner.learner.forward.logprobs import (
+    IGNORE_INDEX,
+    ChunkedTokenCategorical,
+    TokenScorer,
+)
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.logprobs import IGNORE_INDEX, ChunkedTokenCategorical, TokenScorer
 
 TOL = 1e-5
 WHOLE, CHUNKS = 1024, 5  # the default chunk holds the 8 x 16 batch; 5 splits it
@@ -104,7 +108,7 @@ def test_only_small_logits_are_scored_whole(learner, batch, monkeypatch):
     """A batch that fits the chunk but whose logits exceed `WHOLE_BATCH_LOGITS` (where the
     lm_head's work on unscored positions would cost more than it saves) takes the chunked
     path, with its scorer built at once."""
-    from titan_learner.learner import policy
+    from titan_learner.learner.forward import policy
 
     mask = batch.get(ATTENTION_MASK_KEY)
     logits = batch.get(TOKENS_KEY).numel() * VOCAB

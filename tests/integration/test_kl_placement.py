@@ -1,7 +1,7 @@
 """`[kl] placement`: the KL to the reference in the loss (TorchRL's k3 term) or in the reward
 (verl's `use_kl_in_reward`, k1 / k2 / k3), each equal to its formula written out by hand.
 
-The reference's log-probs come from the job's own scoring (`with_reference_log_probs`, the
+The reference's log-probs come from the learner's scoring (`with_reference_log_probs`, the
 frozen `ReferenceModel` built from the config); the hand side scores each row unpadded with a
 transformers model holding the reference's (initial) weights, and the policy's after training.
 """
@@ -23,7 +23,6 @@ from tests.support.models import GROUP, batches, hf_model, tiny_config
 from tests.support.worlds import run_world
 from tests.unit.test_cispo import by_hand
 from titan_learner.job.advantage import group_advantages
-from titan_learner.job.grpo import with_reference_log_probs
 from titan_learner.job.kl_reward import K3_CLAMP, penalized
 from titan_learner.job.reference import ReferenceModel
 from titan_learner.learner.batch import (
@@ -33,6 +32,7 @@ from titan_learner.learner.batch import (
     check_batch,
 )
 from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.reference_scoring import with_reference_log_probs
 from titan_learner.rollout.base import REWARD_KEY
 from titan_learner.weights.export import iter_hf_tensors
 

@@ -1,4 +1,4 @@
-"""The learner's Adam/AdamW step on local shards (titan_learner.learner.local_shard_adam) equals
+"""The learner's Adam/AdamW step on local shards (titan_learner.learner.optim.local_shard_adam) equals
 torch's own step on the DTensors bit for bit, and skips DTensor's dispatch, in a real gloo world."""
 
 from __future__ import annotations

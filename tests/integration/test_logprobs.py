@@ -27,16 +27,16 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
     check_batch,
 )
-from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.logprobs import (
+from titan_learner.learner.forward.logprobs import (
     ChunkedTokenCategorical,
     TokenScorer,
     _TokenStats,
     chunked_token_stats,
 )
-from titan_learner.learner.logprobs import _scattered as scattered
-from titan_learner.learner.losses import build_loss
-from titan_learner.learner.policy import TitanPolicy
+from titan_learner.learner.forward.logprobs import _scattered as scattered
+from titan_learner.learner.forward.policy import TitanPolicy
+from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.loss.classes import build_loss
 
 TOL = 1e-5
 SCORED = 64  # 8 sequences x 8 response tokens: chunk sizes 5 and 7 divide neither it nor B * T
@@ -198,7 +198,7 @@ def test_decoder_runs_only_the_positions_the_scores_read(learner, batch):
 
 def test_lm_head_sees_one_chunk_at_a_time(learner, batch, monkeypatch):
     """Forward and backward (recompute) run the lm_head on at most `chunk_size` positions."""
-    from titan_learner.learner import logprobs
+    from titan_learner.learner.forward import logprobs
 
     rows = []
     full_logits = logprobs._full_logits

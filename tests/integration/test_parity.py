@@ -14,8 +14,8 @@ import torch
 from tests.support.models import batches, tiny_config, with_ref_log_probs
 from tests.support.scenarios import STEPS, loss_parameter_rejected, run_layouts
 from tests.support.worlds import run_world
-from titan_learner.learner.correction import CORRECTION_METRICS
 from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.loss.correction import CORRECTION_METRICS
 
 TOL = 1e-5
 COMPARED = (

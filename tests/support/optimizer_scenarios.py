@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tests.support.models import tiny_config
-from titan_learner.learner.local_shard_adam import local_shards
+from titan_learner.learner.optim.local_shard_adam import local_shards
 from titan_learner.learner.titan import TitanLearner
 
 STEPS = 3

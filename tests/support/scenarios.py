@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tests.support.models import batches, tiny_config, with_ref_log_probs
-from titan_learner.learner.normalization import step_counts
+from titan_learner.learner.loss.normalization import step_counts
 from titan_learner.learner.titan import TitanLearner
 
 STEPS = 3

@@ -28,8 +28,8 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
     check_batch,
 )
-from titan_learner.learner.cispo import MiniMaxCISPOLoss
 from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.loss.cispo import MiniMaxCISPOLoss
 
 # [loss] table -> (the algorithm, its lower and upper clip epsilon; None: no lower bound)
 CASES = {
@@ -142,7 +142,7 @@ THREE_ADVANTAGES = torch.tensor([[1.0], [1.0], [-1.0]])
 
 
 def test_torchrl_cispo_still_drops_the_gradient_of_clipped_tokens():
-    """The reproduction in `titan_learner.learner.cispo`. When this fails, TorchRL changed
+    """The reproduction in `titan_learner.learner.loss.cispo`. When this fails, TorchRL changed
     CISPOLoss: if it now gives the paper's [-1, -1.28, 0.8], remove MiniMaxCISPOLoss; if the
     methods it overrides changed their signatures, adapt it."""
     overridden = {

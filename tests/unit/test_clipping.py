@@ -1,4 +1,4 @@
-"""The learner's clip (titan_learner.learner.clipping) equals torch's on one process; across
+"""The learner's clip (titan_learner.learner.optim.clipping) equals torch's on one process; across
 processes and layouts the parity tests compare its norm with the one-process learner's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from titan_learner.learner.clipping import clip_grad_norm_
+from titan_learner.learner.optim.clipping import clip_grad_norm_
 
 
 def with_grads(

@@ -16,7 +16,7 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
     check_batch,
 )
-from titan_learner.learner.policy import left_justify_order
+from titan_learner.learner.forward.policy import left_justify_order
 from titan_learner.rollout.base import GROUP_ID_KEY, REWARD_KEY, Generator, rollout_from_lists
 from titan_learner.rollout.hf import HFGenerator
 from titan_learner.weights.matching import WeightsError

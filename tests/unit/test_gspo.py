@@ -26,8 +26,8 @@ from tests.support.by_hand import (
 from tests.support.models import tiny_config
 from titan_learner.config.errors import ConfigError
 from titan_learner.learner.batch import ADVANTAGE_KEY, ASSISTANT_MASK_KEY, LOG_PROBS_KEY
-from titan_learner.learner.gspo import GSPO_CLIP_EPSILON, GSPOLoss
 from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.loss.gspo import GSPO_CLIP_EPSILON, GSPOLoss
 
 # [loss] table -> (GSPO-token?, lower and upper clip epsilon, aggregation)
 CASES = {

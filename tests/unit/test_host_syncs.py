@@ -65,7 +65,7 @@ class DeviceReads(TorchDispatchMode):
 
 
 # How many positions are scored, read before the decoder's forward: by the chunked path, not
-# by a batch that fits one chunk (scored whole, titan_learner.learner.justified_stats).
+# by a batch that fits one chunk (scored whole, titan_learner.learner.forward.justified_stats).
 SCORED_POSITIONS = Counter({"token_dist": 1})
 
 

@@ -173,3 +173,10 @@ def test_the_module_map_names_every_module():
         and f"{path.relative_to(PACKAGE).parts[0]}/" not in named
     )
     assert unnamed == [], "add a row to docs/architecture.md's module map"
+
+
+def test_the_learner_contract_stays_a_facade():
+    """Issue 40's done-when: learner/contract.py under 250 lines; what the stepper calls back
+    lives in learner/step.py, the state in learner/state.py, the parts in sub-packages."""
+    lines = len((PACKAGE / "learner" / "contract.py").read_text().splitlines())
+    assert lines < 250, f"learner/contract.py has {lines} lines; move a concern out of it"

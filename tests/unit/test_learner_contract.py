@@ -14,9 +14,9 @@ from torchrl.trainers.trainers import DefaultOptimizationStepper
 
 from tests.support.models import GLOBAL_BATCH, SEQ_LEN, VOCAB, batches, tiny_config
 from titan_learner.learner.batch import BatchError
+from titan_learner.learner.forward.policy import TitanPolicy
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.normalization import step_counts
-from titan_learner.learner.policy import TitanPolicy
+from titan_learner.learner.loss.normalization import step_counts
 
 
 def weights(learner) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
 )
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.normalization import step_counts
+from titan_learner.learner.loss.normalization import step_counts
 
 
 def learner_log_probs(learner, batch) -> torch.Tensor:

@@ -23,7 +23,7 @@ from titan_learner.config.validate import (
     PROJECT_LOSS_KEYS,
     loss_class,
 )
-from titan_learner.learner.normalization import AGGREGATION_COUNTS
+from titan_learner.learner.loss.normalization import AGGREGATION_COUNTS
 
 NOT_CONFIGURABLE = {"self", "actor_network", "device", "kwargs"}
 

@@ -20,7 +20,7 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
 )
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.normalization import micro_batch_counts, step_counts
+from titan_learner.learner.loss.normalization import micro_batch_counts, step_counts
 
 TOL = 1e-5
 F32 = torch.float32
@@ -185,7 +185,7 @@ def test_accumulation_without_step_counts_is_refused_before_any_compute(name):
         "update() without step_counts, with grad_accum_steps = 2 and a loss averaged over "
         f"counts ({averaged}), would average each micro-batch over its own tokens, not the "
         "step's; allowed: step_counts=step_counts(micro_batches) "
-        "(titan_learner.learner.normalization) on every micro-batch of the window, "
+        "(titan_learner.learner.loss.normalization) on every micro-batch of the window, "
         "[learner] max_tokens_per_microbatch, or per_microbatch_mean=True to train on "
         "per-micro-batch means"
     )

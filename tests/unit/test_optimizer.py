@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from titan_learner.config.toml import load_config
-from titan_learner.learner.optimizer import build_optimizer
+from titan_learner.learner.optim.optimizer import build_optimizer
 
 EXPECTED = {  # the torch optimizer's (fused, foreach) flags
     "auto": (False, True),  # foreach on a CPU, fused on CUDA (docs/performance.md)

@@ -14,9 +14,9 @@ from titan_learner.learner.batch import (
     TOKENS_KEY,
     grouped_synthetic_batch,
 )
+from titan_learner.learner.forward.policy import left_justify_order
+from titan_learner.learner.forward.shared_prompts import plan_stream
 from titan_learner.learner.local import LocalLearner
-from titan_learner.learner.policy import left_justify_order
-from titan_learner.learner.shared_prompts import plan_stream
 
 
 def expected_stream(tokens, attention, scored) -> list[int]:

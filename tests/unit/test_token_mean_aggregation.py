@@ -74,7 +74,8 @@ def test_a_loss_mask_in_the_batch_takes_torchrl_path(monkeypatch):
 def test_the_loss_class_keeps_torchrl_forward_wrapped_once():
     """TorchRL's metaclass wraps each new loss class's forward: ours is `LeanForward`'s
     unwrapped, and its fallback the class's own, wrapped once."""
-    from titan_learner.learner.losses import LeanForward, titan_loss_class
+    from titan_learner.learner.loss.classes import titan_loss_class
+    from titan_learner.learner.loss.losses import LeanForward
 
     assert titan_loss_class(GRPOLoss).forward is LeanForward.forward
     assert titan_loss_class(GRPOLoss)._torchrl_forward is GRPOLoss.forward

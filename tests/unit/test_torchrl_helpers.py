@@ -20,9 +20,9 @@ from tests.support.models import (
     tiny_config,
     with_ref_log_probs,
 )
-from titan_learner.learner import losses
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, check_batch
 from titan_learner.learner.local import LocalLearner
+from titan_learner.learner.loss import losses
 
 HELPERS = (
     (losses.MaskedLogWeight, "_log_weight"),
@@ -124,7 +124,8 @@ def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
 ):
     """Without KL terms the learner's loss skips TorchRL's forward plumbing; with them it
     takes TorchRL's forward, as any other actor would. Either way `as_dict=True` gives the
-    output's entries, in order, as a dict, then the policy diagnostics."""
+    output's entries, in order, as a dict (its padded-position diagnostics as trained-token
+    means), then the policy diagnostics and the log-prob mismatch."""
     learner = LocalLearner(tiny_config(loss=LOSSES[loss]))
     needs_ref = "kl_to_ref_coeff" in LOSSES[loss]
     batch = check_batch(batch_with_a_missing_log_prob(needs_ref), learner.vocab_size, needs_ref)
@@ -141,8 +142,14 @@ def test_the_lean_forward_serves_the_learner_policy_and_falls_back_to_torchrl(
         entries = learner.loss_module(batch, as_dict=True)  # what the learner's update asks
     assert calls == ([] if lean else [1, 1])
     assert isinstance(out, loss_class.output_type) and type(entries) is dict
-    assert list(entries) == [*out.keys(), "clip_fraction_low", "clip_fraction_high"]
-    assert all(torch.equal(entries[key], out.get(key)) for key in out.keys())
+    diagnostics = ["clip_fraction_low", "clip_fraction_high"]
+    assert list(entries) == [*out.keys(), *diagnostics, "logprob_mismatch", "logprob_mismatch_max"]
+    log_probs = batch.get(LOG_PROBS_KEY)
+    trained = batch.get(ASSISTANT_MASK_KEY) & log_probs.isfinite()
+    positions_per_token = log_probs.numel() / trained.sum()
+    for key in out.keys():
+        scale = positions_per_token if key in losses.TOKEN_DIAGNOSTICS else 1.0
+        torch.testing.assert_close(entries[key], out.get(key) * scale, msg=key)
 
 
 def test_clip_fractions_by_side_on_a_hand_made_case():

@@ -1,8 +1,9 @@
 """The TorchRL methods our losses override, pinned to TorchRL 0.14.1's signatures.
 
-Our mixins (titan_learner/learner/losses.py, correction.py, aggregation.py) and published
-objectives (gspo.py, cispo.py) override private methods of TorchRL's GRPO family and call them
-through super(). A TorchRL release that renames one, reorders its arguments or changes what it
+Our loss classes (titan_learner/learner/loss/classes.py: one subclass of its TorchRL class per
+loss, over the helpers of losses.py, correction.py, aggregation.py and the published objectives
+of gspo.py, cispo.py) override private methods of TorchRL's GRPO family and call them through
+super(); each class's docstring lists them, checked here against its MRO. A TorchRL release that renames one, reorders its arguments or changes what it
 returns would break the loss silently (the override no longer called) or loudly deep inside a
 step. These tests fail first, naming the method, our override and what changed: read TorchRL's
 new code for that method before updating its pin.
@@ -11,11 +12,12 @@ new code for that method before updating its pin.
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 from torchrl.objectives.llm.grpo import DAPO, CISPOLoss, GRPOLoss
 
-from titan_learner.learner.losses import PUBLISHED_OBJECTIVES, titan_loss_class
+from titan_learner.learner.loss.classes import BUILT, PUBLISHED_OBJECTIVES, titan_loss_class
 
 TORCHRL_BASES = (GRPOLoss, DAPO, CISPOLoss)
 
@@ -121,3 +123,32 @@ def test_torchrl_keeps_the_signature_we_override(qualified):
         f"{PINNED[qualified]}, installed {now}; read TorchRL's new {qualified} before "
         "updating the override and this pin"
     )
+
+
+def overridden_by(ours: type) -> set[str]:
+    """The TorchRL methods `ours` (or a class of ours in its MRO) overrides."""
+    torchrl_base = next(c for c in ours.__mro__ if c in TORCHRL_BASES)
+    return {
+        name
+        for cls in ours.__mro__
+        if cls.__module__.startswith("titan_learner")
+        for name, value in vars(cls).items()
+        if (not name.startswith("__") or name == "__init__")
+        and (callable(value) or isinstance(value, property))
+        and hasattr(torchrl_base, name)
+    }
+
+
+@pytest.mark.parametrize("ours", list(BUILT.values()), ids=lambda cls: cls.__name__)
+def test_each_loss_class_lists_the_torchrl_methods_it_overrides(ours):
+    listed = ours.__doc__.split("Overrides:")[1]
+    named = set(re.findall(r"`(\w+)`", listed))
+    assert named == overridden_by(ours), (
+        f"{ours.__name__}'s docstring lists {sorted(named)} but it overrides "
+        f"{sorted(overridden_by(ours))} of TorchRL"
+    )
+
+
+def test_an_unknown_base_class_is_refused_naming_the_allowed():
+    with pytest.raises(ValueError, match=r"no loss class of ours over dict; allowed: GRPOLoss, "):
+        titan_loss_class(dict)

@@ -7,7 +7,7 @@ from another library (verl's "seq-mean-token-sum", "token-mean" with a hyphen) w
 another objective without a word. So every [loss] key, TorchRL's and this project's own, is
 described here as a schema field is (a type hint and limits, `config.tables`), and a value
 outside it is refused with the values allowed. The learner's normalization across
-micro-batches and ranks (`titan_learner.learner.normalization`) implements exactly the
+micro-batches and ranks (`titan_learner.learner.loss.normalization`) implements exactly the
 aggregations listed; tests hold the table to TorchRL's signature and behaviour.
 """
 
@@ -141,7 +141,7 @@ LOSS_KEYS: dict[str, LossKey] = {
     "ref_log_prob_padding_value": LossKey(
         float, doc="TorchRL's padding value of reference log-probs."
     ),
-    # this project's own (titan_learner.learner.losses, .gspo, .correction, .job.reward_shaping)
+    # this project's own (titan_learner.learner.loss.classes, .gspo, .correction, .job.reward_shaping)
     "tis_cap": LossKey(
         float,
         {"min": 1},

@@ -1,7 +1,7 @@
 """The TOML schema of a run: one plain dataclass per section, what a user writes.
 
 The sections map onto TorchTitan's own config dataclasses in `titan_learner.model.parallelize`
-and `titan_learner.learner.optimizer` (ParallelismConfig, TrainingConfig, CompileConfig, AC,
+and `titan_learner.learner.optim.optimizer` (ParallelismConfig, TrainingConfig, CompileConfig, AC,
 optimizer, LR scheduler), so nothing TorchTitan already describes is re-implemented here.
 Reading and writing TOML is `titan_learner.config.toml`; every check is in `.validate`.
 """
@@ -154,7 +154,7 @@ class LearnerSection:
     share_prompts: bool = False
     """Run each prompt through the decoder once for all the rows that share it (a GRPO group's G
     completions), and no padding at all: the token-wise work shrinks to the tokens the loss
-    needs, the result is the same (titan_learner.learner.shared_prompts). Needs the chunked
+    needs, the result is the same (titan_learner.learner.forward.shared_prompts). Needs the chunked
     log-probs (logprob_chunk_size >= 1) and SDPA attention ([model] attention = "sdpa", or
     "auto", which then picks it on CUDA too)."""
 

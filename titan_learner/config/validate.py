@@ -28,10 +28,10 @@ from titan_learner.config.loss_values import (
 from titan_learner.config.schema import Config, LossSection
 
 # The TorchRL loss class behind each [loss] name, imported only when one is built or checked
-# (gspo: titan_learner.learner.gspo, over GRPOLoss).
+# (gspo: titan_learner.learner.loss.gspo, over GRPOLoss).
 LOSS_CLASSES = {"grpo": "GRPOLoss", "dapo": "DAPO", "cispo": "CISPOLoss", "gspo": "GRPOLoss"}
 PROJECT_LOSS_KEYS = ("tis_cap", "correction", "mask_truncated")
-"""[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.losses)."""
+"""[loss] keys of this project's own, on top of the TorchRL class's (titan_learner.learner.loss.classes)."""
 NAMED_LOSS_KEYS = {"gspo": ("gspo_token",)}
 """[loss] keys of this project's own that one loss name takes."""
 

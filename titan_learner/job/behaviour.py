@@ -23,7 +23,7 @@ from tensordict import TensorDictBase
 
 from titan_learner.job.reference import ReferenceModel
 from titan_learner.learner.batch import ATTENTION_MASK_KEY, LOG_PROBS_KEY
-from titan_learner.learner.normalization import sums_and_maxima_over
+from titan_learner.learner.loss.normalization import sums_and_maxima_over
 from titan_learner.rollout.pipeline import stale_versions_after
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The GRPO job: `titan-learner train --config FILE [--set k=v ...] [--resume [auto]]`.
 
 Each step: the loader's prompts -> G sampled completions per prompt (with behaviour log-probs)
--> the configured rewards on the decoded completions -> group advantages -> `learner.update` ->
+-> the configured rewards on the decoded completions -> group advantages -> `learner.train_step` ->
 new weights to the generator; evaluation at step 0, every `[eval] every_steps` and at the end;
 checkpoints with the data position. The same command runs alone or under torchrun.
 
@@ -55,7 +55,6 @@ from titan_learner.job.sampled import Sampled, sync_generator
 from titan_learner.job.scoring import reward_metrics, score_locally, score_rollout
 from titan_learner.job.step_metrics import shaping_metrics
 from titan_learner.job.validate import validate
-from titan_learner.learner.batch import REF_LOG_PROBS_KEY
 from titan_learner.ranks import rank
 from titan_learner.rewards.runner import (
     Reward,
@@ -191,15 +190,6 @@ def sample(
     return Sampled(rollout, mine, time.perf_counter() - start)
 
 
-def with_reference_log_probs(batch: TensorDictBase, reference, parts: int) -> TensorDictBase:
-    """The batch with the reference's log-probs (`ReferenceModel.kl_log_probs`), scored in
-    `parts` pieces, the micro-batches the update takes: a collective, bounded like the update."""
-    scored = torch.cat([reference.kl_log_probs(part) for part in batch.chunk(parts)])
-    out = batch.clone(recurse=False)
-    out.set(REF_LOG_PROBS_KEY, scored)
-    return out
-
-
 def train_on(
     config: Config,
     learner,
@@ -211,7 +201,8 @@ def train_on(
     on_policy: bool = True,
     before_update: Callable[[TensorDictBase], dict[str, float]] | None = None,
 ) -> StepResult:
-    """Rewards, update (in micro-batches) and `push` (the new weights out) for one rollout.
+    """Rewards, `learner.train_step` (it splits the batch) and `push` (the new weights out)
+    for one rollout.
 
     `waited_s`: how long the step waited for its rollout, when it was sampled ahead of it
     (`rollout_s` is then the sampling's own time, spent alongside earlier updates).
@@ -219,7 +210,8 @@ def train_on(
     The rewards are the configured ones plus DAPO's overlong shaping (job.reward_shaping).
     With a `reference` (a `ReferenceModel`: a KL in the loss or the reward, job.kl_reward),
     its log-probs join the batch (already the same within a tensor-parallel group) before the
-    advantage, scored in the update's micro-batches; that forward is timed as part of
+    advantage, scored in the step's micro-batches (`learner.score_reference`, before the
+    reward's KL and `mask_truncated` need them); that forward is timed as part of
     `update_s`. With `[kl] placement = "reward"` the advantage is then taken again from the
     rewards less the KL penalty.
 
@@ -231,7 +223,6 @@ def train_on(
     from titan_learner.job.advantage import step_advantages
     from titan_learner.job.step_metrics import rollout_metrics
     from titan_learner.learner.batch import ADVANTAGE_KEY, ATTENTION_MASK_KEY
-    from titan_learner.learner.normalization import step_counts
 
     group = config.rollout.group_size
     dp_group, device = learner.data_parallel_group, learner.device
@@ -261,22 +252,16 @@ def train_on(
     metrics: dict[str, float] = dict(sampled.metrics)
     if sampled.episodes is not None:
         metrics |= episode_metrics(sampled.episodes, dp_group, device)
-    # A token budget: the learner splits the whole batch itself (one call, one step).
-    budget = config.learner.max_tokens_per_microbatch
-    parts = 1 if budget else config.learner.grad_accum_steps
     if reference is not None:  # the loss's KL reads them, or the reward's below
-        batch = with_reference_log_probs(batch, reference, parts)
+        batch = learner.score_reference(batch, reference)
     kl_penalty = None
     if kl_in_reward(config):
         estimator = reward_estimator(config)
         batch, kl_penalty = penalized(batch, config.kl.coeff, estimator, lambda r: advantage(r)[0])
     if config.loss.kwargs.get("mask_truncated"):
         batch = without_truncated(batch, batch.get(FINISHED_KEY))
-    micros = [batch] if budget else batch.chunk(parts)
-    counts = None if budget else step_counts(micros)  # the step's mean is over all its tokens
-    for micro in micros:
-        updated = {k: float(v) for k, v in learner.update(micro, step_counts=counts).items()}
-    metrics.update(updated)  # the last call's: the one that stepped
+    updated = learner.train_step(batch, reference)  # the batch carries its reference's
+    metrics.update({k: float(v) for k, v in updated.items()})
     if not on_policy:  # the learner's weights moved on: not an engine mismatch
         for key in ("logprob_mismatch", "logprob_mismatch_max"):
             metrics.pop(key, None)

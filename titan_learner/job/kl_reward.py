@@ -30,7 +30,7 @@ from titan_learner.learner.batch import (
     LOG_PROBS_KEY,
     REF_LOG_PROBS_KEY,
 )
-from titan_learner.learner.kl_estimators import per_token_kl
+from titan_learner.learner.loss.kl_estimators import per_token_kl
 from titan_learner.rollout.base import REWARD_KEY
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def reward_estimator(config: Config) -> str:
 
 
 def token_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Each token's estimate of KL(pi || pi_ref) (learner.kl_estimators; k3 clamped)."""
+    """Each token's estimate of KL(pi || pi_ref) (learner.loss.kl_estimators; k3 clamped)."""
     value = per_token_kl(log_probs.float() - ref_log_probs.float(), estimator)
     return value.clamp(-K3_CLAMP, K3_CLAMP) if estimator == "k3" else value
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from titan_learner.config.loss_values import PROJECT_DEFAULTS
 from titan_learner.dtypes import DTYPES
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, ATTENTION_MASK_KEY, TOKENS_KEY
-from titan_learner.learner.policy import TitanPolicy
+from titan_learner.learner.forward.policy import TitanPolicy
 from titan_learner.model.build import build_model
 
 if TYPE_CHECKING:

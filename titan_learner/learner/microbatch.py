@@ -10,7 +10,7 @@ neighbours in length.
 Every data-parallel rank must run the same number of forwards (FSDP gathers parameters in each
 one), so the count is the largest any rank needs; a rank that packs into fewer splits its
 largest micro-batches in two until it has as many. The loss is still the step's mean over all
-of its tokens (titan_learner.learner.normalization), so the split changes nothing but speed.
+of its tokens (titan_learner.learner.loss.normalization), so the split changes nothing but speed.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ learner's batch, and the argument checks every implementation makes.
 
 Behaviour log-probs are the temperature-1 log-probs of the sampled tokens, whatever temperature
 was sampled at. GRPO's importance ratio is exp(log pi_theta(a) - log_probs(a)), where the learner's
-policy (titan_learner.learner.policy) evaluates pi_theta from unscaled logits, i.e. at temperature 1. For
+policy (titan_learner.learner.forward.policy) evaluates pi_theta from unscaled logits, i.e. at temperature 1. For
 that ratio to be exactly 1 on data from the same weights (on-policy), so that clipping and the
 KL-to-inference estimate only see staleness, the behaviour log-probs must come from the same
 temperature-1 distribution. What this does not correct: at temperature != 1 the tokens were drawn

@@ -69,12 +69,12 @@ def build_correction(table: CorrectionTable | None, alias: bool) -> Correction |
 class BehaviourCorrection:
     """The loss's objective on the current policy, each token weighted by the correction.
 
-    Reads the trained-token mask and count `TrainedTokens` records at the forward; leaves its
-    metrics in `correction_metrics` for `LeanForward.forward` to put in the output.
+    Reads the trained-token mask and count `TrainedTokens` keeps at the forward; leaves its
+    metrics in the forward's values (`correction_metrics`) for `LeanForward.forward` to put in
+    the output.
     """
 
     correction: Correction | None = None
-    correction_metrics: dict[str, torch.Tensor] | None = None
 
     def _compute_policy_objective(self, log_weight: Any, advantage: Any) -> tuple[Any, Any]:
         correction = self.correction
@@ -124,4 +124,4 @@ class BehaviourCorrection:
             }
             if self.correction.alias:  # type: ignore[union-attr]
                 metrics["tis_truncated"] = metrics["correction/truncated_fraction"]
-        vars(self)["correction_metrics"] = metrics
+        vars(self).setdefault("forward_values", {})["correction_metrics"] = metrics

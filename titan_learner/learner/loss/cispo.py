@@ -54,7 +54,8 @@ class MiniMaxCISPOLoss(CISPOLoss):
     def _get_cur_log_prob(self, tensordict: Any) -> tuple[Any, Any, Any]:
         log_prob, dist, is_composite = super()._get_cur_log_prob(tensordict)
         # Kept for the objective (0 off the distribution's mask, as both of the policy's
-        # distributions give it); set in the instance's __dict__, as `losses.record` does.
+        # distributions give it); set in the instance's __dict__ (no
+        # nn.Module.__setattr__), as `losses.forward_values` is.
         vars(self)["current_log_prob"] = log_prob
         return log_prob, dist, is_composite
 

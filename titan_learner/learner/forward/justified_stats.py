@@ -1,7 +1,7 @@
 """Log-probs and entropies of a batch that fits one lm_head chunk, scored in its justified layout.
 
 `TitanPolicy.token_dist` runs the decoder on left-justified rows (real tokens first). The chunked
-path (`titan_learner.learner.logprobs.TokenScorer`) reads how many positions are scored and the
+path (`titan_learner.learner.forward.logprobs.TokenScorer`) reads how many positions are scored and the
 last justified position any of them takes (a host read, so that the decoder stops there), selects
 their hidden states and scatters their scores back: some forty operators, most of a small model's
 scoring time. A batch of at most `logprob_chunk_size` positions fits that one chunk whole, so
@@ -10,7 +10,7 @@ host read nor the selections: the decoder runs on every justified position, each
 next justified token (the last one, the row's first: see `_JustifiedTokenStats`), and one gather
 puts each score at its caller position. This is one autograd node (`_JustifiedTokenStats`), the
 lm_head's matmul included where its weight is a plain tensor after the decoder's forward (see
-`titan_learner.learner.logprobs`); otherwise (a bias, autocast, a tensor-parallel DTensor) the
+`titan_learner.learner.forward.logprobs`); otherwise (a bias, autocast, a tensor-parallel DTensor) the
 lm_head runs as `logprobs` runs it and the node starts from its logits.
 
 Scoring every position also runs the lm_head on the positions no loss reads (prompts,
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from titan_learner.learner.logprobs import (
+from titan_learner.learner.forward.logprobs import (
     IGNORE_INDEX,
     _full_logits,
     _logits_grad,

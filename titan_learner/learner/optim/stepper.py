@@ -5,7 +5,7 @@ Upstream accumulates gradients over `gradient_accumulation_steps` micro-batches 
 FSDP, so every micro-batch pays a reduce-scatter. Here the cross-rank reduction runs only on the
 last micro-batch of a window (`set_requires_gradient_sync`), which gives the same gradients.
 Upstream clips with `torch.nn.utils.clip_grad_norm_`, whose DTensor operations were ~5% of a
-small model's step on a CPU; here `titan_learner.learner.clipping` computes the same norm from
+small model's step on a CPU; here `titan_learner.learner.optim.clipping` computes the same norm from
 the local shards with one all-reduce.
 """
 
@@ -17,16 +17,20 @@ import math
 import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchrl._utils import logger as torchrl_logger
-from torchrl.trainers.trainers import MixedPrecisionOptimizationStepper
+from torchrl.trainers.trainers import MixedPrecisionOptimizationStepper, OptimizationStepper
 
-from titan_learner.learner.clipping import clip_grad_norm_
+from titan_learner.dtypes import DTYPES
+from titan_learner.learner.optim.clipping import clip_grad_norm_
+
+if TYPE_CHECKING:
+    from titan_learner.config.schema import LearnerSection
 
 
 class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
@@ -34,7 +38,7 @@ class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
     on local shards.
 
     Its metrics are the gradient norm alone: the learner reads the loss terms and diagnostics
-    from the loss output itself (`titan_learner.learner.normalization.metric_terms`), so the
+    from the loss output itself (`titan_learner.learner.loss.normalization.metric_terms`), so the
     upstream copy of every output entry into a metrics TensorDict is skipped.
     """
 
@@ -153,3 +157,34 @@ class TitanOptimizationStepper(MixedPrecisionOptimizationStepper):
         self._micro_step = int(counters["micro_step"])
         self._optimizer_step_count = int(counters["optimizer_step_count"])
         self._skipped_nonfinite_steps = int(counters["skipped_nonfinite_steps"])
+
+
+def adopt_stepper(
+    stepper: OptimizationStepper | None,
+    optimizer,
+    *,
+    model: nn.Module,
+    learner: LearnerSection,
+    clip_norm: float,
+    device_type: str,
+) -> OptimizationStepper:
+    """The learner's stepper: `TitanOptimizationStepper` over `optimizer` by default, or a
+    caller's TorchRL stepper (which gets `optimizer` where it reads the trainer's)."""
+    if stepper is None:
+        return TitanOptimizationStepper(
+            optimizer,
+            model=model,
+            mixed_precision=learner.mixed_precision,
+            autocast_dtype=DTYPES[learner.autocast_dtype],
+            gradient_accumulation_steps=learner.grad_accum_steps,
+            clip_norm=clip_norm,
+            device_type=device_type,
+        )
+    if not isinstance(stepper, OptimizationStepper):
+        raise TypeError(
+            f"stepper must be a torchrl OptimizationStepper, got {type(stepper).__name__}"
+        )
+    if getattr(stepper, "optimizer", None) is None:
+        # Steppers that read trainer.optimizer (DefaultOptimizationStepper, TD3) get ours.
+        stepper.optimizer = optimizer
+    return stepper

@@ -37,7 +37,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, LOG_PROBS_KEY, trained_tokens
-from titan_learner.learner.losses import TokenMeanKL
+from titan_learner.learner.loss.losses import TokenMeanKL
 
 TOKENS, ROWS, CALLS = "tokens", "rows", "calls"
 KINDS = (TOKENS, ROWS, CALLS)
@@ -120,7 +120,7 @@ def check_counts(counts: Mapping[str, float]) -> dict[str, float]:
     if not isinstance(counts, Mapping) or set(counts) != set(KINDS):
         raise ValueError(
             f"step_counts must be a mapping with keys {', '.join(KINDS)} (from "
-            f"titan_learner.learner.normalization.step_counts), got {counts!r}"
+            f"titan_learner.learner.loss.normalization.step_counts), got {counts!r}"
         )
     checked = {kind: float(counts[kind]) for kind in KINDS}
     if any(not value >= 0 for value in checked.values()):

@@ -1,6 +1,6 @@
 """[optimizer] and [lr_scheduler] as TorchTitan's OptimizersContainer and LRSchedulersContainer.
 
-The container's Adam and AdamW are `titan_learner.learner.local_shard_adam`'s: the same update,
+The container's Adam and AdamW are `titan_learner.learner.optim.local_shard_adam`'s: the same update,
 bit for bit, on each rank's local shards instead of through DTensor's dispatch.
 """
 
@@ -20,7 +20,7 @@ def build_optimizer(model: nn.Module, config: Config, device_type: str) -> Optim
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
-    from titan_learner.learner.local_shard_adam import LocalShardOptimizersContainer
+    from titan_learner.learner.optim.local_shard_adam import LocalShardOptimizersContainer
 
     o = config.optimizer
     implementation = o.implementation

@@ -1,52 +1,35 @@
-"""The [loss] section built: TorchRL's own loss class over the learner's policy.
+"""The learner's helpers over TorchRL's GRPO-family losses (the classes: `loss.classes`).
 
-Which class a name means, and the check of its keyword arguments, are config validation
-(`titan_learner.config.validate`); this module instantiates it, with one change of
-normalization (`TokenMeanKL`) so that every term of the loss is a mean over trained tokens.
-Where TorchRL's class departs from the published algorithm, or has none, the subclass that
-follows the paper is built instead (`PUBLISHED_OBJECTIVES`: cispo, `titan_learner.learner.cispo`;
-gspo, `titan_learner.learner.gspo`). Every loss takes the row-sum aggregations
-(`titan_learner.learner.aggregation`) and `[loss.correction]` (`titan_learner.learner.correction`).
+One change of normalization (`TokenMeanKL`) so that every term of the loss is a mean over
+trained tokens, the reference KL's estimator, the diagnostics TorchRL's output has no room for
+(returned in the forward's output, `LeanForward.forward`), and TorchRL's helpers computed in
+fewer operators with the same values. Every loss also takes the row-sum aggregations
+(`titan_learner.learner.loss.aggregation`) and `[loss.correction]`
+(`titan_learner.learner.loss.correction`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from titan_learner.config.errors import ConfigError
-from titan_learner.config.loss_values import PROJECT_DEFAULTS, correction_table
-from titan_learner.config.validate import loss_class
-from titan_learner.learner.aggregation import RowSumAggregation
 from titan_learner.learner.batch import trained_mask
-from titan_learner.learner.cispo import MiniMaxCISPOLoss
-from titan_learner.learner.correction import BehaviourCorrection, build_correction
-from titan_learner.learner.gspo import GSPOLoss
-from titan_learner.learner.kl_estimators import per_token_kl
-from titan_learner.learner.logprobs import ChunkedTokenCategorical
-from titan_learner.learner.policy import TitanPolicy
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from titan_learner.config.schema import LossSection
-
-# Where TorchRL's class is not the published algorithm (or TorchRL has none), the subclass that
-# is (by [loss] name).
-PUBLISHED_OBJECTIVES: dict[str, type] = {"cispo": MiniMaxCISPOLoss, "gspo": GSPOLoss}
+from titan_learner.learner.forward.logprobs import ChunkedTokenCategorical
+from titan_learner.learner.forward.policy import TitanPolicy
+from titan_learner.learner.loss.kl_estimators import per_token_kl
 
 
-def record(loss_module: Any, **values: Any) -> None:
-    """Set what a loss module's forward reports besides its output (plain attributes, never a
-    parameter, buffer or submodule), without `nn.Module.__setattr__`: it and TorchRL's override
-    look each name up among the module's parameters, buffers and modules first, ~9 us an
-    assignment inside a step, where an update made seven of them."""
-    vars(loss_module).update(values)
+def forward_values(loss_module: Any) -> dict[str, Any]:
+    """This forward's values: what TorchRL's helpers, which have no channel but `self`, hand
+    each other (the trained-token mask and count, the log-weight), and the diagnostics the
+    forward returns in its output (`LeanForward.forward`). One dict in the instance's
+    __dict__, dropped when the forward returns: never a parameter, buffer or submodule, and
+    no `nn.Module.__setattr__`, which looks each name up among them first (~9 us a write)."""
+    return vars(loss_module).setdefault("forward_values", {})
 
 
 class TokenMeanKL:
@@ -118,14 +101,22 @@ class TrainedTokens:
     divides by it.
     """
 
-    trained_mask: torch.Tensor | None = None
-    trained_column: torch.Tensor | None = None  # the mask as `[B, T, 1]`, like the loss terms
-    trained_count: torch.Tensor | None = None
+    @property
+    def trained_mask(self) -> torch.Tensor | None:
+        return forward_values(self).get("trained_mask")
+
+    @property
+    def trained_column(self) -> torch.Tensor | None:
+        """The mask as `[B, T, 1]`, like the loss terms."""
+        return forward_values(self).get("trained_column")
+
+    @property
+    def trained_count(self) -> torch.Tensor | None:
+        return forward_values(self).get("trained_count")
 
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
-        record(
-            self,
+        forward_values(self).update(
             trained_mask=mask,
             trained_column=mask.unsqueeze(-1),
             trained_count=mask.sum().clamp_min(1),
@@ -139,11 +130,9 @@ class LogProbMismatch:
     The batch's log-probs are the generator's (the behaviour policy's). Until the step's
     optimizer update the learner holds the very weights that sampled the batch, so in the
     synchronous loop this is the trainer-vs-inference mismatch users ask about: ~1e-7 with the
-    embedded generator in fp32, whatever its kernels give with vLLM. The learner reports it as
-    `logprob_mismatch` (token mean) and `logprob_mismatch_max`.
+    embedded generator in fp32, whatever its kernels give with vLLM. The forward returns it as
+    `logprob_mismatch` (token mean) and `logprob_mismatch_max` (`LeanForward.forward`).
     """
-
-    logprob_mismatch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
@@ -153,9 +142,10 @@ class LogProbMismatch:
         with torch.no_grad():
             gap = log_weight.abs().float()
             if gap.numel():  # gaps are >= 0, so the zeros off the mask leave the max alone
-                record(self, logprob_mismatch=(gap.sum() / self.trained_count, gap.amax()))
+                mismatch = (gap.sum() / self.trained_count, gap.amax())
             else:
-                record(self, logprob_mismatch=(gap.new_zeros(()), gap.new_zeros(())))
+                mismatch = (gap.new_zeros(()), gap.new_zeros(()))
+            forward_values(self)["logprob_mismatch"] = mismatch
         return log_weight, dist, kl_approx, mask
 
 
@@ -269,12 +259,14 @@ class LeanForward:
     copy. Anything else takes TorchRL's own forward.
     """
 
-    _torchrl_forward: Any = None  # the loss class's own forward (titan_loss_class sets it)
-    _weighed: tuple[Any, Any, Any] | None = None  # this forward's (log_weight, dist, adv_shape)
+    _torchrl_forward: Any = None  # the TorchRL class's own forward (loss.classes sets it)
 
     def forward(self, tensordict: Any, *, as_dict: bool = False) -> Any:
         """TorchRL's output; `as_dict=True`: its entries as a plain dict instead (what the
-        learner edits before it builds its own TensorDict once), with `policy_diagnostics`."""
+        learner edits before it builds its own TensorDict once), with the diagnostics TorchRL's
+        output class has no room for: `policy_diagnostics`, the correction's metrics, the
+        token means of `TOKEN_DIAGNOSTICS` and `logprob_mismatch` / `logprob_mismatch_max`."""
+        vars(self)["forward_values"] = values = {}
         try:
             out = self._lean_terms(tensordict)
             if out is None:
@@ -282,20 +274,28 @@ class LeanForward:
                 if not as_dict:
                     return out
                 out = dict(out.items())
-            if as_dict and self._weighed is not None:  # TorchRL's output class has no room
-                self.policy_diagnostics(out, *self._weighed)
-            if as_dict and self.correction_metrics:  # type: ignore[attr-defined]
-                out.update(self.correction_metrics)  # type: ignore[attr-defined]
+            if as_dict:
+                self.diagnostics(out, values)
         finally:
-            # the distribution holds the batch's hidden states
-            record(self, _weighed=None, correction_metrics=None)
+            # the distribution and the masks hold the batch's tensors
+            vars(self).pop("forward_values", None)
         if as_dict:
             return out
         return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))  # type: ignore[attr-defined]
 
+    def diagnostics(self, out: dict[str, Any], values: dict[str, Any]) -> None:
+        """This forward's diagnostics (`values`, see `forward_values`) into `out`."""
+        if "weighed" in values:
+            self.policy_diagnostics(out, *values["weighed"])
+        if values.get("correction_metrics"):
+            out.update(values["correction_metrics"])
+        token_mean_diagnostics(out, values.get("positions_per_token"))
+        if "logprob_mismatch" in values:
+            out["logprob_mismatch"], out["logprob_mismatch_max"] = values["logprob_mismatch"]
+
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
-        record(self, _weighed=(log_weight, dist, adv_shape))
+        forward_values(self)["weighed"] = (log_weight, dist, adv_shape)
         return log_weight, dist, kl_approx, mask
 
     def policy_diagnostics(
@@ -401,15 +401,13 @@ class TokenMeanDiagnostics:
     TorchRL 0.14.1 reports them as means over every position of the padded `[B, T]` batch, 0 on
     padding: a batch with more padding reports less clipping and less entropy than its tokens
     have, and a step split over ranks or micro-batches of other widths cannot add up to the
-    whole. `positions_per_token` (set at each forward) rescales them, as `TokenMeanKL` does
-    the KL terms; the learner applies it (`token_mean_diagnostics`).
+    whole. `positions_per_token` (taken at each forward) rescales them, as `TokenMeanKL` does
+    the KL terms, in the forward's output (`token_mean_diagnostics`).
     """
-
-    positions_per_token: torch.Tensor | None = None
 
     def _log_weight(self, tensordict: Any, adv_shape: Any) -> tuple[Any, Any, Any, Any]:
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)  # type: ignore[misc]
-        record(self, positions_per_token=mask.numel() / self.trained_count)
+        forward_values(self)["positions_per_token"] = mask.numel() / self.trained_count
         return log_weight, dist, kl_approx, mask
 
 
@@ -441,72 +439,11 @@ class TokenMeanAggregation:
         return torch.where(self.trained_column, value, 0.0).sum() / self.trained_count  # type: ignore[attr-defined]
 
 
-def token_mean_diagnostics(out: MutableMapping[str, Any], loss_module: nn.Module) -> None:
+def token_mean_diagnostics(out: MutableMapping[str, Any], scale: torch.Tensor | None) -> None:
     """Rescale the padded-position means of `out` (a loss output as a dict) in place to
-    trained-token means."""
-    scale = getattr(loss_module, "positions_per_token", None)
+    trained-token means (`scale`: the forward's positions per trained token; None: as is)."""
     if scale is None:
         return
     for key in TOKEN_DIAGNOSTICS:
         if key in out:
             out[key] = out[key] * scale
-
-
-@functools.cache
-def titan_loss_class(cls: type) -> type:
-    """`cls` (a TorchRL GRPO-family loss) with `TokenMeanKL`, `ReferenceKLEstimator`,
-    `LogProbMismatch`,
-    `TokenMeanDiagnostics`, `BehaviourCorrection`, `TokenMeanAggregation`,
-    `RowSumAggregation`, `TrainedTokens` (the others read its mask and count) and, innermost,
-    `MaskedLogWeight`, `ChunkedEntropy` and `CachedClipBounds` in place of TorchRL's own
-    helpers; the same class on every call."""
-    bases = (
-        LeanForward,
-        TokenMeanKL,
-        ReferenceKLEstimator,
-        LogProbMismatch,
-        TokenMeanDiagnostics,
-        BehaviourCorrection,
-        TokenMeanAggregation,
-        RowSumAggregation,
-        TrainedTokens,
-        MaskedLogWeight,
-        ChunkedEntropy,
-        CachedClipBounds,
-        cls,
-    )
-    mixed = type(cls.__name__, bases, {"__module__": __name__})
-    # TorchRL's loss metaclass wraps the forward of every class it makes (exploration and
-    # recurrent modes around each call): the new class's forward is `LeanForward`'s unwrapped,
-    # and its fallback `cls`'s own, which enters both modes once per call.
-    mixed.forward = LeanForward.forward
-    mixed._torchrl_forward = cls.forward
-    return mixed
-
-
-def build_loss(
-    section: LossSection,
-    actor: nn.Module,
-    *,
-    max_new_tokens: int | None = None,
-    kl_estimator: str | None = None,
-) -> nn.Module:
-    """Instantiate the TorchRL loss over `actor` with the configured keyword arguments;
-    `max_new_tokens` ([rollout]) is `seq_mean_token_sum_norm`'s constant, `kl_estimator`
-    ([kl] estimator with placement = "loss") the reference KL's per-token estimate."""
-    kwargs = {**PROJECT_DEFAULTS, **section.kwargs}
-    if isinstance(kwargs.get("clip_epsilon"), list):
-        kwargs["clip_epsilon"] = tuple(kwargs["clip_epsilon"])
-    correction = build_correction(correction_table(kwargs, "[loss]"), "tis_cap" in kwargs)
-    kwargs.pop("correction", None)
-    kwargs.pop("tis_cap", None)
-    kwargs.pop("mask_truncated", None)  # the job's: it leaves truncated rows out of the batch
-    try:
-        base = PUBLISHED_OBJECTIVES.get(section.name) or loss_class(section.name)
-        loss = titan_loss_class(base)(actor, **kwargs)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"cannot build loss '{section.name}': {err}", where="[loss]") from err
-    loss.max_new_tokens = max_new_tokens
-    loss.kl_estimator = kl_estimator
-    loss.correction = correction
-    return loss

@@ -62,7 +62,7 @@ class GSPOLoss(GRPOLoss):
             padding_value=0.0,
         )
         # the mask TorchRL's `_log_weight` trains (response tokens with a finite behaviour
-        # log-prob), kept in the instance's __dict__ as `losses.record` does
+        # log-prob), kept in the instance's __dict__ as `losses.forward_values` is
         vars(self)["response_mask"] = trained_mask(dist.mask, behaviour)
         return log_prob, dist, is_composite
 

@@ -11,7 +11,7 @@ With `logprob_chunk_size > 0` the distributions the losses ask for (`_get_*_dist
 `get_dist` with a `mask_key`) never see `[B, T, V]` logits: the decoder runs without its lm_head
 and `titan_learner.logprobs` scores the masked positions chunk by chunk; a batch whose positions
 fit one chunk and whose logits are small is scored whole instead, without the chunked path's
-host read (`titan_learner.learner.justified_stats`). `forward` and `token_logits` stay dense for
+host read (`titan_learner.learner.forward.justified_stats`). `forward` and `token_logits` stay dense for
 other callers.
 """
 
@@ -32,9 +32,9 @@ from titan_learner.learner.batch import (
     PROMPT_TOKENS_KEY,
     TOKENS_KEY,
 )
-from titan_learner.learner.justified_stats import WHOLE_BATCH_LOGITS, justified_token_stats
-from titan_learner.learner.logprobs import ChunkedTokenCategorical, TokenScorer
-from titan_learner.learner.shared_prompts import enable_prompt_sharing, plan_stream
+from titan_learner.learner.forward.justified_stats import WHOLE_BATCH_LOGITS, justified_token_stats
+from titan_learner.learner.forward.logprobs import ChunkedTokenCategorical, TokenScorer
+from titan_learner.learner.forward.shared_prompts import enable_prompt_sharing, plan_stream
 from titan_learner.model.spec import uses_flex_attention
 
 
@@ -73,7 +73,7 @@ class TitanPolicy(LLMWrapperBase):
     backward work); False saves the forward's share, and `entropy()` then costs one more
     chunked pass if it is called after all.
     share_prompts: (chunked only) the decoder runs on a stream of the tokens the scores need,
-    each prompt once for the rows that share it (titan_learner.learner.shared_prompts).
+    each prompt once for the rows that share it (titan_learner.learner.forward.shared_prompts).
     """
 
     def __init__(
@@ -189,7 +189,7 @@ class TitanPolicy(LLMWrapperBase):
 
     def _scores_whole(self, tokens: torch.Tensor, mask: torch.Tensor) -> bool:
         """Whether the batch is scored whole, without a host read
-        (titan_learner.learner.justified_stats): every position fits one lm_head chunk and
+        (titan_learner.learner.forward.justified_stats): every position fits one lm_head chunk and
         their logits are small (`WHOLE_BATCH_LOGITS`), some position is scored, rows hold two
         tokens or more, and no prompt is shared."""
         return (

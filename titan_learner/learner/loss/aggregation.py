@@ -27,7 +27,7 @@ ROW_SUMS = ("seq_mean_token_sum", "seq_mean_token_sum_norm")
 class RowSumAggregation:
     """`aggregation = "seq_mean_token_sum"` or `"seq_mean_token_sum_norm"` of a loss term
     `[B, T, 1]` over the trained-token mask `[B, T]`; any other aggregation is the next
-    class's. `max_new_tokens` is the `_norm` form's constant (set by `losses.build_loss`)."""
+    class's. `max_new_tokens` is the `_norm` form's constant (set by `classes.build_loss`)."""
 
     max_new_tokens: int | None = None
 

@@ -5,7 +5,7 @@ each sampled token a (verl's `kl_penalty` / `kl_loss_type` names in brackets):
     k2 = r^2 / 2                ("mse")
     k3 = exp(-r) - 1 + r        ("low_var_kl")
 
-One definition for the KL in the loss (`learner.losses.ReferenceKLEstimator`) and in the reward
+One definition for the KL in the loss (`learner.loss.losses.ReferenceKLEstimator`) and in the reward
 (`job.kl_reward`, which clamps k3 as verl does).
 """
 
