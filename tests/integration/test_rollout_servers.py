@@ -304,12 +304,20 @@ HERE = Path(__file__).parent
 
 
 def score(prompt, completion, row):
-    \"\"\"The length reward; rank 0's call number KILL_AT SIGKILLs the server in kill.pid.\"\"\"
+    \"\"\"The length reward; rank 0's call number KILL_AT SIGKILLs the server in kill.pid.
+
+    Rank 0's reward workers score in parallel: two calls may append before either reads the
+    count, so the first to see KILL_AT or more kills, once (an exclusive marker file).\"\"\"
     if os.environ.get("RANK") == "0" and (HERE / "kill.pid").exists():
         with open(HERE / "calls", "a") as calls:  # a count any process can keep
             calls.write(".")
-        if (HERE / "calls").stat().st_size == KILL_AT:
-            os.killpg(int((HERE / "kill.pid").read_text()), signal.SIGKILL)
+        if (HERE / "calls").stat().st_size >= KILL_AT:
+            try:
+                os.close(os.open(HERE / "killed", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                os.killpg(int((HERE / "kill.pid").read_text()), signal.SIGKILL)
     return min(len(completion), 20) / 20
 """
 
