@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from tests.support.hf_dirs import job_config, make_model_dir, write_gsm8k_jsonl
 from tests.support.vllm import ENGINE_SHAPE, needs_vllm
@@ -142,9 +143,12 @@ def test_the_judge_scores_through_the_token_guard(judge_server, monkeypatch):
     assert chat_requests_served(base_url) == before + len(QUESTIONS)  # the engine served each
     replies = scores.replies["judge"]
     assert all(isinstance(reply, str) for reply in replies), scores.messages
-    for reply, value in zip(replies, scores.per_reward["judge"].tolist(), strict=True):
+    stored = scores.per_reward["judge"]
+    for reply, value in zip(replies, stored.tolist(), strict=True):
         match = re.search(PARSE, reply, re.DOTALL)
-        assert value == (float(match.group(1)) if match else 0.0), reply
+        parsed = float(match.group(1)) if match else 0.0
+        # the rewards are stored in the tensor's dtype: "99999999" is 1e8 in float32
+        assert value == torch.tensor(parsed, dtype=stored.dtype).item(), reply
     assert scores.errors == sum(re.search(PARSE, r, re.DOTALL) is None for r in replies)
     assert all(" did not parse: no match of " in m for m in scores.messages)
 

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.hf_dirs import job_config, make_model_dir, write_gsm8k_jsonl
 from tests.support.vllm import ENGINE_SHAPE, needs_vllm
@@ -131,7 +132,8 @@ def test_the_judge_scores_what_its_reply_parses_to(judge_server):
         reply = sample["reward/judge_reply"]
         assert isinstance(reply, str)  # the endpoint answered every request
         match = re.search(PARSE, reply, re.DOTALL)
-        expected = float(match.group(1)) if match else 0.0
+        # rewards are float32: a reply of "99999999" scores 1e8
+        expected = torch.tensor(float(match.group(1)) if match else 0.0).item()
         unparsed += match is None
         assert sample["reward/judge"] == expected
         assert sample["reward"] == pytest.approx(sample["reward/math"] + 0.1 * expected)
