@@ -16,7 +16,7 @@ ENGINE_SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "hidde
 
 
 def tamper_in_transit(monkeypatch, trainer) -> None:
-    """The next broadcasts of a gloo trainer engine carry other bytes than the ones it hashed
+    """The next broadcasts of a checked trainer engine (gloo, nccl) carry other bytes than it hashed
     and vouches for in the manifest (what a peer on the data channel could do)."""
     from titan_learner.vllm.sources import NamedTensorSource
     from titan_learner.weights.export import checksum_of

@@ -117,12 +117,12 @@ def test_bytes_altered_in_transit_are_refused_by_every_worker(trained, transfer,
 
 def test_a_manifest_that_does_not_match_what_arrived_is_refused(trained, transfer):
     """Driven by hand: announce v3, broadcast it, then vouch for v4 or for other names."""
-    from titan_learner.vllm.gloo_wire import GlooUpdateInfo, dtype_name
+    from titan_learner.vllm.update_wire import ManifestedUpdateInfo, dtype_name
     from titan_learner.weights.export import checksum_of
 
     sender, client = transfer
     named = list(trained.get_weights(dtype=F32).items())
-    announce = GlooUpdateInfo(
+    announce = ManifestedUpdateInfo(
         version=3,
         names=[n for n, _ in named],
         dtype_names=[dtype_name(t.dtype) for _, t in named],

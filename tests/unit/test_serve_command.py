@@ -73,7 +73,9 @@ def test_a_token_installs_the_guard_and_never_reaches_the_command_line(monkeypat
     argv, env = server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")
     assert argv[argv.index("--middleware") + 1] == MIDDLEWARE
     assert env[TOKEN_ENV] == "s3cret" and "s3cret" not in " ".join(argv)
-    assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl"})
+    assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps(
+        {"backend": "nccl_checked"}
+    )
     assert "--kv-cache-memory-bytes" not in argv, "a GPU server keeps vLLM's own sizing"
     monkeypatch.setenv(TOKEN_ENV, "from-env")
     assert server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")[1][

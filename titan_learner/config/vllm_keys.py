@@ -28,7 +28,9 @@ VLLM_OWN_KEYS: dict[str, EngineKey] = {
         "",
         "The backend of vLLM's RL weight-transfer API that moves each update into the engines. "
         "auto: ipc for an engine on the rank's own GPU, nccl to servers on other GPUs, gloo on "
-        "CPU; nccl_m2n: resharding into rollout servers' tensor-parallel layout (servers only).",
+        "CPU; nccl_m2n: resharding into rollout servers' tensor-parallel layout (servers only). "
+        "gloo and nccl check each update against its manifest before the swap (one host copy "
+        "of the export per worker during an update; servers from `titan-learner serve`).",
     ),
     "servers": EngineKey(
         "an array of strings",

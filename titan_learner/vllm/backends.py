@@ -6,12 +6,21 @@ device). nccl: a broadcast to engines on other GPUs or nodes. nccl_m2n: vLLM's r
 transfer from DTensor shards straight into the engine's tensor-parallel layout (rollout servers
 only). gloo: ours (titan_learner.vllm.gloo_engine), a broadcast over gloo through host memory:
 the one that works without a GPU, and on any engine as a fallback.
+
+An engine that takes `nccl` from us runs our checked worker engine (`engine_backend`: vLLM's
+NCCL receive, then the manifest's check before the swap, `nccl_worker`).
 """
 
 from __future__ import annotations
 
 WEIGHT_TRANSFERS = ("auto", "ipc", "nccl", "nccl_m2n", "gloo")
 GPU_ONLY = {"ipc", "nccl", "nccl_m2n"}
+ENGINE_BACKENDS = {"nccl": "nccl_checked"}  # plugin.NCCL_CHECKED
+
+
+def engine_backend(transfer: str) -> str:
+    """The name an engine's `weight_transfer_config` gives the backend `transfer` resolved to."""
+    return ENGINE_BACKENDS.get(transfer, transfer)
 
 
 def resolve_weight_transfer(requested: str, *, engine_on_gpu: bool, colocated: bool) -> str:

@@ -18,7 +18,8 @@ from titan_learner.weights.sinks import StagingSink
 
 
 class VLLMEngineSink(StagingSink):
-    """`engine`: a `vllm.LLM` started with `weight_transfer_config={"backend": backend}`, or any
+    """`engine`: a `vllm.LLM` started with `weight_transfer_config={"backend": backend}` (for
+    `nccl`: `"nccl_checked"`, our checked worker engine; `backends.engine_backend`), or any
     client of vLLM's four control calls (`VLLMWeightSyncClient`, e.g. vLLM's
     `HTTPVLLMWeightSyncClient` for a `vllm serve` server) with `workers` given: how many
     inference workers join the transfer (tensor x pipeline x data parallel)."""

@@ -21,7 +21,7 @@ from titan_learner.rollout.base import (
     eos_id_set,
     rollout_from_lists,
 )
-from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
 from titan_learner.vllm.engine_memory import GPU_ENGINE_SHARE
 from titan_learner.vllm.errors import engine_start_error
 from titan_learner.vllm.plugin import register
@@ -183,7 +183,7 @@ class VLLMGenerator:
                     dtype=dtype,
                     seed=seed,
                     skip_tokenizer_init=True,
-                    weight_transfer_config={"backend": self.weight_transfer},
+                    weight_transfer_config={"backend": engine_backend(self.weight_transfer)},
                     **engine_kwargs,
                 )
             except Exception as err:

@@ -2,10 +2,8 @@
 
 The same round trip as vLLM's NCCL trainer engine, over gloo: rank 0 opens a TCPStore, the
 inference workers join it (`init_weight_transfer_engine`, in another thread while rank 0
-builds its end of the group), and each `send_weights()` runs start -> update (announce, while
-the tensors are broadcast) -> update (the manifest, with the xxh3 of what was sent) -> finish
-(with the version). Other trainer ranks only iterate the source, which keeps them in any
-collective the source runs (an FSDP gather).
+builds its end of the group), and each `send_weights()` is one checked round
+(`checked_round`): the tensors go out over gloo from host memory, hashed as they are sent.
 """
 
 from __future__ import annotations
@@ -13,8 +11,7 @@ from __future__ import annotations
 import datetime
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
 
 import torch.distributed as dist
@@ -26,7 +23,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from titan_learner.vllm.gloo_wire import DEFAULT_TIMEOUT_S, GlooInitInfo, GlooUpdateInfo, dtype_name
+from titan_learner.vllm.checked_round import send_checked
+from titan_learner.vllm.gloo_wire import DEFAULT_TIMEOUT_S, GlooInitInfo
 from titan_learner.weights.export import Checksum
 from titan_learner.weights.matching import WeightsError
 
@@ -107,36 +105,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
-        source = self.source
-        assert source is not None
-        meta = source.metadata()
-        if not self.is_sender:
-            for _ in source:  # keep in step with the sender's gathers
-                pass
-            return
-        version = int(getattr(source, "version", 0))
-        announce = GlooUpdateInfo(
-            version=version,
-            names=[m.name for m in meta],
-            dtype_names=[dtype_name(m.dtype) for m in meta],
-            shapes=[list(m.shape) for m in meta],
-        )
-        self.client.start_weight_update()
-        executor = ThreadPoolExecutor(max_workers=1)
-        try:
-            receiving = executor.submit(self.client.update_weights, asdict(announce))
-            checksum = self._broadcast(source, meta)
-            receiving.result()
-        finally:
-            executor.shutdown(wait=False)  # a failed broadcast leaves the worker waiting
-        manifest = replace(announce, checksum=checksum)
-        try:
-            self.client.update_weights(asdict(manifest))
-        except Exception as err:
-            raise WeightsError(
-                f"the vLLM engine refused export v{version}, it serves its previous weights: {err}"
-            ) from err
-        self.client.finish_weight_update(str(version))
+        assert self.source is not None
+        send_checked(self.client, self.source, self._broadcast, self.is_sender)
 
     def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> str:
         """Broadcast each tensor from rank 0, hashing what is sent; the xxh3 of it all. The
@@ -145,13 +115,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
         digest = Checksum()
-        try:
-            for name, tensor in NCCLTrainerWeightTransferEngine._checked_iter(source, meta):
-                host = tensor.detach().to("cpu").contiguous()
-                self.group.broadcast(host, 0).wait()
-                digest.update(name, host)
-        except ValueError as err:
-            raise WeightsError(str(err)) from None
+        for name, tensor in NCCLTrainerWeightTransferEngine._checked_iter(source, meta):
+            host = tensor.detach().to("cpu").contiguous()
+            self.group.broadcast(host, 0).wait()
+            digest.update(name, host)
         return digest.hexdigest()
 
     def shutdown(self) -> None:

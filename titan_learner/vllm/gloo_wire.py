@@ -1,22 +1,10 @@
-"""What the gloo backend's two sides tell each other over the control routes (plain dicts).
-
-Each update is two `update_weights` calls between `start_weight_update` and
-`finish_weight_update`: the first announces the tensors (names, dtypes, shapes, version) that
-then follow on the gloo broadcast; the second carries the manifest of what was sent (the same
-fields plus the xxh3 checksum of the bytes), and the workers check what they received against
-it before anything is swapped in. The manifest travels on the control route, not on the data
-channel it vouches for.
-"""
+"""Where a worker joins the gloo backend's group (the update itself: `update_wire`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -35,33 +23,3 @@ class GlooInitInfo(WeightTransferInitInfo):
     secret: str = field(repr=False)
     rank_offset: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S
-
-
-@dataclass
-class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One export's tensors, in broadcast order. Without `checksum`: they follow on the
-    broadcast. With it: the manifest of what was broadcast, checked before the swap."""
-
-    version: int
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    checksum: str | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
-            raise ValueError(
-                f"update info: {len(self.names)} names, {len(self.dtype_names)} dtype names and "
-                f"{len(self.shapes)} shapes; they describe the same tensors, one entry each"
-            )
-        unknown = sorted({d for d in self.dtype_names if not _is_dtype(d)})
-        if unknown:
-            raise ValueError(f"update info: unknown dtype names {unknown}")
-
-
-def _is_dtype(name: str) -> bool:
-    return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

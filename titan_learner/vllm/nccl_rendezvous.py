@@ -9,8 +9,9 @@ which drops a connection that does not carry the id's random magic. Here the tra
 new id per init and sends it only inside the init request, behind the servers' bearer token
 (`vllm.auth`): a peer without the token never learns it and cannot join the group.
 
-Only the rendezvous is ours; the update round, the packed broadcast and the workers' receive
-are vLLM's (`NCCLTrainerWeightTransferEngine.send_weights`, `NCCLWeightTransferEngine`).
+The broadcast and the workers' receive are vLLM's; the round around them is checked: the
+trainer hashes what it sends (`nccl_trainer`) and the workers swap it in only once the
+manifest accepts it (`nccl_worker`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ def worker_init(unique_id: bytes, workers: int) -> dict[str, Any]:
     """The init request's payload for the servers' workers (ranks 1..`workers`, after the
     trainer's 0): the id, and no address or port for anyone to reach. The wire parameters
     (packing, buffers) are vLLM's defaults for a trainer, shipped so both sides agree."""
-    from vllm.distributed.weight_transfer.nccl_common import (
-        NCCLWeightTransferInitInfo,
-        worker_init_payload,
-    )
+    from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
+    from titan_learner.vllm.nccl_worker import CheckedNCCLInitInfo
+
     defaults = NCCLTrainerInitInfo(rank=0, master_address="", master_port=0, world_size=0)
-    info = NCCLWeightTransferInitInfo(
+    info = CheckedNCCLInitInfo(
         rank_offset=1,
         world_size=1 + workers,
         nccl_unique_id_b64=base64.b64encode(unique_id).decode("ascii"),
@@ -45,7 +45,7 @@ def worker_init(unique_id: bytes, workers: int) -> dict[str, Any]:
 
 
 def secret_nccl_trainer(workers: int, client: Any, source: NamedTensorSource) -> Any:
-    """vLLM's NCCL trainer engine (the sender, rank 0 on this process's CUDA device) in a group
+    """The checked NCCL trainer engine (the sender, rank 0 on this process's CUDA device) in a group
     with `workers` inference workers that join from a unique id minted here.
 
     Every rank must enter NCCL's init together: the trainer joins on a side thread while the
@@ -55,7 +55,8 @@ def secret_nccl_trainer(workers: int, client: Any, source: NamedTensorSource) ->
     import torch
     from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
     from vllm.distributed.weight_transfer.nccl_common import uid_init_process_group
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    from titan_learner.vllm.nccl_trainer import CheckedNCCLTrainer
 
     unique_id = bytes(NCCLLibrary().ncclGetUniqueId().internal)
     payload = worker_init(unique_id, workers)
@@ -74,7 +75,7 @@ def secret_nccl_trainer(workers: int, client: Any, source: NamedTensorSource) ->
     trainer.join()
     if "error" in joined:
         raise joined["error"]
-    engine = NCCLTrainerWeightTransferEngine(
+    engine = CheckedNCCLTrainer(
         client=client,
         source=source,
         packed=payload["packed"],

@@ -1,4 +1,5 @@
-"""Our weight-transfer backends, registered with vLLM's factories.
+"""Our weight-transfer backends, registered with vLLM's factories: `gloo` (both sides) and the
+workers' side of `nccl_checked` (`nccl_worker`; its trainer side is built by `nccl_rendezvous`).
 
 `register` is the `vllm.general_plugins` entry point (pyproject.toml): vLLM calls it in every
 one of its processes (API server, engine core, workers) before it builds a worker, so an engine
@@ -11,6 +12,7 @@ weight update one line in that process's log (`refusals`).
 from __future__ import annotations
 
 GLOO = "gloo"
+NCCL_CHECKED = "nccl_checked"
 
 
 def register() -> None:
@@ -26,6 +28,10 @@ def register() -> None:
     if GLOO not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             GLOO, "titan_learner.vllm.gloo_engine", "GlooWeightTransferEngine"
+        )
+    if NCCL_CHECKED not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            NCCL_CHECKED, "titan_learner.vllm.nccl_worker", "CheckedNCCLWeightTransferEngine"
         )
     if GLOO not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(

@@ -23,7 +23,7 @@ from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.config.vllm_keys import VLLM_OWN_KEYS
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
-from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
 from titan_learner.vllm.engine_memory import EngineMemory, cpu_engine_defaults, job_engine_memory
 
 OWN_KEYS = frozenset(VLLM_OWN_KEYS)
@@ -115,7 +115,7 @@ def server_command(
         *([] if text_routes else ["--skip-tokenizer-init"]),
         "--logprobs-mode", "raw_logprobs",
         "--enable-scale-out",  # token-in/token-out: /inference/v1/generate
-        "--weight-transfer-config", json.dumps({"backend": backend}),
+        "--weight-transfer-config", json.dumps({"backend": engine_backend(backend)}),
     ]  # fmt: skip
     engine = {k: v for k, v in config.rollout.vllm.items() if k != "max_model_len"}
     if not on_gpu:

@@ -1,8 +1,8 @@
 """The trainer side of one engine's weight transfer, on vLLM's own RL API.
 
 `EngineWeightTransfer` builds the trainer engine for a backend through vLLM's
-`WeightTransferTrainerFactory` (our gloo backend registered first; `nccl` joined from a secret,
-`nccl_rendezvous`), with a client that answers
+`WeightTransferTrainerFactory` (our gloo backend registered first; `nccl`: vLLM's broadcast in
+our checked round, joined from a secret, `nccl_rendezvous`), with a client that answers
 the four control calls (a `vllm.LLM` does), and sends one export per `send(named, version)`.
 """
 
@@ -78,7 +78,7 @@ class EngineWeightTransfer:
         register()
         self.backend = backend
         self.source = NamedTensorSource()
-        if backend == "nccl":  # vLLM's engine, joined from a secret (vllm.nccl_rendezvous)
+        if backend == "nccl":  # checked, joined from a secret (vllm.nccl_rendezvous)
             self.engine = secret_nccl_trainer(workers, client, self.source)
             return
         self.engine = WeightTransferTrainerFactory.trainer_init(
