@@ -25,10 +25,16 @@ def restarted_group_store(timeout: timedelta) -> dist.Store | None:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    agent = dist.TCPStore(
+    return dist.PrefixStore(f"titan_learner/restart-{restarts}/", launcher_store(timeout))
+
+
+def launcher_store(timeout: timedelta) -> dist.TCPStore:
+    """A client of the launcher's store (MASTER_ADDR:MASTER_PORT) on a connection of its own:
+    under torchrun, the agent's store, which outlives the workers and their groups. For what
+    the ranks must tell each other outside a collective (a rollout thread, a failing rank)."""
+    return dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
-    return dist.PrefixStore(f"titan_learner/restart-{restarts}/", agent)
 
 
 def single_process_store(timeout: timedelta) -> dist.Store:

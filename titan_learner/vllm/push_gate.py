@@ -14,13 +14,13 @@ main threads run the learner's collectives) and nothing that holds the process g
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections import Counter
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from titan_learner.model.elastic_store import launcher_store
 from titan_learner.vllm.server_client import ServerError
 
 PUSH_WAIT_S = 1800.0
@@ -36,12 +36,7 @@ class PushGate:
     ) -> None:
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.timeout_s = timeout_s
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        client = launcher_store(timedelta(seconds=timeout_s))
         self.store = dist.PrefixStore(f"titan_learner/push_gate/{run_id}/", client)
         self._arrivals: Counter[int] = Counter()
 
