@@ -367,7 +367,8 @@ def test_multi_turn_episodes_sample_every_turn_on_the_servers(servers):
 def test_a_server_killed_mid_run_is_one_line_and_resume_repeats_the_run_exactly(servers, job):
     """Last in the module: it kills server 1 and starts another in its place. Rank 0's reward
     kills it while scoring step 3 (after the step-2 checkpoint), so the step's push fails; the
-    job under torchrun ends with one line naming the server; with the server back, the same
+    job under torchrun ends with one line naming the server (from either rank: rank 1 may meet
+    the dead server while rank 0 waits for it in a collective); with the server back, the same
     command with --resume redoes step 3 as the uninterrupted run did it."""
     root, urls, processes = servers
     _, _, _, results = job

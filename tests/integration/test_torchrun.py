@@ -1,5 +1,5 @@
 """The job under the real torchrun, as users launch it: a user error is one line, printed once
-by rank 0, whose exit 2 is what torchrun reports as the root cause (torchrun then adds its own
+(by rank 0 unless it is slower than its grace), whose exit 2 is what torchrun reports as the root cause (torchrun then adds its own
 report of the failed ranks, which the job cannot suppress); a run that succeeds prints none of
 the launcher-level noise that a user cannot act on."""
 
@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,41 @@ def test_a_user_error_is_one_line_once_and_exit_2_is_the_root_cause(tmp_path):
     codes = re.findall(r"^\s+exitcode\s+: (-?\d+)", output, re.MULTILINE)
     assert len(codes) == 2 and set(codes) <= {"2", "-15"}, output
     assert "titan_learner/" not in output, "no traceback through the project's code"
+
+
+FAILING_RANKS = """
+import os, sys, time
+from titan_learner.cli.common import user_error
+
+rank = int(os.environ["RANK"])
+if rank == 0 and sys.argv[1] == "rank-0-busy":
+    time.sleep(60)  # e.g. in a collective, waiting for the rank that failed
+sys.exit(user_error(ValueError(f"rank {rank} failed")))
+"""
+
+
+def failing_ranks(tmp_path: Path, case: str) -> tuple[str, float]:
+    """Both ranks of a real torchrun end in the job's `user_error`, rank 0 at once or busy."""
+    script = tmp_path / "failing_ranks.py"
+    script.write_text(FAILING_RANKS)
+    started = time.monotonic()
+    result = subprocess.run(
+        launcher("--standalone", str(script), case), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    return result.stdout + result.stderr, time.monotonic() - started
+
+
+def test_the_one_error_line_is_rank_0s_unless_rank_0_is_slower_than_its_grace(tmp_path):
+    """A rank that fails alone while rank 0 is busy prints its own line after the grace (torchrun
+    then stops rank 0, which prints nothing); when both fail together only rank 0's is printed."""
+    output, seconds = failing_ranks(tmp_path, "rank-0-busy")
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: rank 1 failed"], output
+    assert seconds < 45, f"the run waited for busy rank 0 ({seconds:.0f} s)"
+    output, _ = failing_ranks(tmp_path, "together")
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: rank 0 failed"], output
 
 
 def test_a_run_prints_no_launcher_noise(tmp_path):

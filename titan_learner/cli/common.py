@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 USER_ERROR = 2
 RANK0_GRACE_S = 5.0
+CLAIM_TIMEOUT_S = 5.0  # reaching the launcher's store to claim the error line
 INTERRUPTED = 130  # what a shell reports for Ctrl-C
 
 
@@ -53,13 +54,39 @@ def config_from_arguments(args: argparse.Namespace) -> Config:
 
 
 def user_error(err: Exception) -> int:
-    """One line on stderr, from one process: under torchrun every rank fails alike.
+    """One line on stderr, from one process: under torchrun every rank may fail alike.
 
-    torchrun stops the other ranks as soon as one exits, so the other ranks give rank 0 a few
-    seconds to print its line first: otherwise a rank 0 a moment slower is stopped silently.
+    Rank 0's line is preferred: the other ranks give it a few seconds to claim the line first.
+    A rank may also fail alone (a rollout server dies under it) while rank 0 waits for it in a
+    collective; torchrun stops every rank once one exits, so after its grace such a rank prints
+    its own line, unless rank 0 has claimed it by then. The claim is one compare-and-set on
+    the launcher's store, so the line is printed exactly once.
     """
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    else:
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank != 0:
         time.sleep(RANK0_GRACE_S)
+    if _claims_error_line(rank):
+        print(f"error: {err}", file=sys.stderr, flush=True)
     return USER_ERROR
+
+
+def _claims_error_line(rank: int) -> bool:
+    """Whether this rank prints the run's error line: the first rank to claim it on the
+    launcher's store, keyed by run and restart; rank 0 where there is no store to ask (a
+    world of one, or a launcher store that is gone)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) == 1 or "MASTER_PORT" not in os.environ:
+        return rank == 0
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from titan_learner.model.elastic_store import launcher_store
+
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"titan_learner/error_line/{run}/{restart}"
+    try:
+        store = launcher_store(timedelta(seconds=CLAIM_TIMEOUT_S))
+        return store.compare_set(key, "", str(rank)) == str(rank).encode()
+    except (dist.DistError, OSError):
+        return rank == 0
