@@ -6,13 +6,8 @@ route and the refusal, tried once (a 4xx is not retried).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,24 +15,18 @@ import requests
 import torch
 
 from tests.support.hf_dirs import job_config, make_model_dir, write_gsm8k_jsonl
+from tests.support.servers import free_port, start_logged, stop, wait_until_healthy
 from tests.support.vllm import ENGINE_SHAPE, needs_vllm
 from titan_learner.config.toml import config_from_dict, config_to_toml
 from titan_learner.rewards.runner import RewardError, build_rewards, score
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
-START_TIMEOUT_S = 600
 SERVE = [sys.executable, "-m", "titan_learner", "serve"]
 TOKEN = "judge-serve-token-not-a-secret"
 PARSE = r"(\d+)"
 TEMPLATE = "Question: {{ prompt }}\nAnswer: {{ completion }}\nRate the answer from 0 to 10."
 QUESTIONS = ["What is 2 + 3?", "What is 4 * 5?", "Name a prime.", "What is 9 - 1?"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -65,36 +54,18 @@ def judge_server(tmp_path_factory):
     (root / "judge.toml").write_text(config_to_toml(config_from_dict(tables, "judge.toml")))
     port = free_port()
     log = root / "server.log"
-    process = subprocess.Popen(
+    process = start_logged(
         [*SERVE, "--config", "judge.toml", "--port", str(port), "--text-routes"],
+        log,
+        {"TITAN_LEARNER_SERVER_TOKEN": TOKEN},
         cwd=root,
-        env={**os.environ, "TITAN_LEARNER_SERVER_TOKEN": TOKEN},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the judge server exited:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no judge server in {START_TIMEOUT_S} s")
-            time.sleep(2)
+        wait_until_healthy([url], [process], [log])
         yield root, f"{url}/v1", "judge"
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        stop([process])
 
 
 def judge_rewards(root: Path, base_url: str, model: str, on_error: str):

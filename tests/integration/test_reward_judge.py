@@ -9,11 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,6 +18,7 @@ import pytest
 import torch
 
 from tests.support.hf_dirs import job_config, make_model_dir, write_gsm8k_jsonl
+from tests.support.servers import free_port, start_logged, stop, wait_until_healthy
 from tests.support.vllm import ENGINE_SHAPE, needs_vllm
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict
@@ -29,19 +26,12 @@ from titan_learner.job.grpo import run
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
-START_TIMEOUT_S = 600
 TOKEN = "judge-test-token-not-a-secret"
 PARSE = r"(\d+)"
 TEMPLATE = (
     "Question: {{ prompt }}\nReference: {{ answer }}\nAnswer: {{ completion }}\n"
     "Rate the answer from 0 to 10."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,33 +46,13 @@ def judge_server(tmp_path_factory):
         "--enforce-eager", "--max-model-len", "512",
     ]  # fmt: skip
     log = root / "server.log"
-    process = subprocess.Popen(
-        command,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": TOKEN},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    process = start_logged(command, log, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": TOKEN})
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the judge server exited:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no judge server in {START_TIMEOUT_S} s") from None
-                time.sleep(2)
-        yield root, f"http://127.0.0.1:{port}/v1"
+        wait_until_healthy([url], [process], [log])
+        yield root, f"{url}/v1"
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        stop([process])
 
 
 def judged_run(rank: int, root: str, base_url: str) -> list[dict]:

@@ -14,10 +14,8 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ import requests
 import torch
 
 from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
+from tests.support.servers import free_port, start_logged, stop, wait_until_healthy
 from tests.support.vllm import ENGINE_SHAPE, needs_vllm, tamper_in_transit
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict, config_to_toml
@@ -34,7 +33,6 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 
 TOKEN = "test-token-not-a-secret"
 MODEL_OVERRIDES: dict = {}  # the engine-shaped model's, set by the servers fixture
-START_TIMEOUT_S = 600
 SERVE = [sys.executable, "-m", "titan_learner", "serve"]
 GUARDED = [
     ("POST", "pause"),
@@ -52,12 +50,6 @@ GUARDED = [
     ("POST", "inference/v1/generate"),
     ("POST", "v1/completions"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def tables(root: Path, servers: list[str], steps: int) -> dict:
@@ -97,48 +89,25 @@ def servers(tmp_path_factory):
     (root / "run.toml").write_text(config_to_toml(config))
     processes = [start_server(root, url, i) for i, url in enumerate(urls)]
     try:
-        wait_until_healthy(urls, processes, root)
+        wait_until_healthy(urls, processes, server_logs(root))
         yield root, urls, processes  # a test may replace a server it killed
     finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        stop(processes)
 
 
 def start_server(root: Path, url: str, i: int, log: str = "w") -> subprocess.Popen:
     """`titan-learner serve` for the run's config on `url`'s port, logging to server{i}.log."""
-    return subprocess.Popen(
+    return start_logged(
         [*SERVE, "--config", "run.toml", "--port", url.rsplit(":", 1)[1]],
+        server_logs(root)[i],
+        {"TITAN_LEARNER_SERVER_TOKEN": TOKEN},
         cwd=root,
-        env={**os.environ, "TITAN_LEARNER_SERVER_TOKEN": TOKEN},
-        stdout=(root / f"server{i}.log").open(log),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        mode=log,
     )
 
 
-def wait_until_healthy(urls: list[str], processes: list, root: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    pending = set(urls)
-    while pending:
-        for i, process in enumerate(processes):
-            if process.poll() is not None:
-                log = (root / f"server{i}.log").read_text()[-3000:]
-                raise RuntimeError(f"server {i} exited with {process.returncode}:\n{log}")
-        for url in list(pending):
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    pending.discard(url)
-            except requests.ConnectionError:
-                pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"servers {sorted(pending)} not healthy in {START_TIMEOUT_S} s")
-        time.sleep(2)
+def server_logs(root: Path) -> list[Path]:
+    return [root / f"server{i}.log" for i in range(2)]
 
 
 def authorized() -> dict:
@@ -395,7 +364,7 @@ def test_a_server_killed_mid_run_is_one_line_and_resume_repeats_the_run_exactly(
     assert (root / "crash/checkpoints/latest").read_text().strip() == "step-2"
     (root / "kill.pid").unlink()
     processes[1] = start_server(root, urls[1], 1, log="a")
-    wait_until_healthy(urls, processes, root)
+    wait_until_healthy(urls, processes, server_logs(root))
     resumed = subprocess.run(
         [*command, "--resume"], cwd=root, env=env, capture_output=True, text=True
     )

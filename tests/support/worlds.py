@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -17,11 +16,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.support.servers import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
@@ -55,7 +50,7 @@ def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 900) -
     """Run `fn(rank, *args)` on `world_size` spawned processes; return the results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, results))
         for rank in range(world_size)

