@@ -16,7 +16,9 @@ takes, 64 on CPU) started from the learner's own export, and `push_weights` (flo
   server  GeneratorSink(ServerGenerator) with --server URL (a `titan-learner serve` of the same
           config): the same transfer over HTTP to a server, between a pause and a resume
 Prints the best of --repeats for each and its ratio to hf, then for the engine (and server) the
-time from the end of an update to the first token sampled under it.
+time from the end of an update to the first token sampled under it, and where the engine's push
+goes: the best of each control call the `vllm` pushes made (start; the announce, which returns
+once the broadcast has landed; the manifest's check; finish, vLLM's reload into the engine).
 """
 
 from __future__ import annotations
@@ -60,6 +62,33 @@ def first_token_after_push(learner, generator, repeats: int) -> float:
     return min(times)
 
 
+class ControlCallTimes:
+    """Wraps an engine's four control calls (a `vllm.LLM`'s) to time each; `update_weights`
+    counts as the announce (with the broadcast it waits for) or as the manifest (a checksum)."""
+
+    def __init__(self, llm) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        for method in ("start_weight_update", "update_weights", "finish_weight_update"):
+            setattr(llm, method, self._timed(method, getattr(llm, method)))
+
+    def _timed(self, method: str, call):
+        def timed(*args, **kwargs):
+            phase = method.removesuffix("_weight_update")
+            if method == "update_weights":
+                info = args[0]["update_info"]  # the request as vllm.LLM takes it
+                phase = "manifest" if info.get("checksum") else "announce+broadcast"
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds.setdefault(phase, []).append(time.perf_counter() - start)
+
+        return timed
+
+    def best(self) -> dict[str, float]:
+        return {phase: min(times) for phase, times in self.seconds.items()}
+
+
 def server_generator(config, url: str, spec):
     """The server's generator, with the token the server was started with (the run's)."""
     from titan_learner.vllm.serve import server_token
@@ -99,10 +128,13 @@ def main() -> int:
             kv_cache_memory_bytes=64 << 20,
         )
         try:
+            hf = best_push(learner, lambda: GeneratorSink(embedded), args.repeats)
+            calls = ControlCallTimes(engine.llm)
             results = {
-                "hf": best_push(learner, lambda: GeneratorSink(embedded), args.repeats),
+                "hf": hf,
                 "vllm": best_push(learner, lambda: GeneratorSink(engine), args.repeats),
             }
+            phases = calls.best()
             latency = {"vllm": first_token_after_push(learner, engine, args.repeats)}
             if args.server:
                 server = server_generator(config, args.server, spec)
@@ -120,12 +152,21 @@ def main() -> int:
         )
     for name, seconds in latency.items():
         print(f"{name:6s} first token after an update: {seconds * 1e3:.1f} ms")
+    print(
+        "vllm   control calls (best): "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items())
+    )
     write_result(
         args.result_json,
         benchmark=f"weight push into vLLM ({model_bytes / 2**20:.0f} MiB)",
         metric="time, vLLM RL API / in-process copy",
         ratio=f"{results['vllm'] / results['hf']:.2f}",
-        details={"push_s": results, "first_token_s": latency, "model_bytes": model_bytes},
+        details={
+            "push_s": results,
+            "first_token_s": latency,
+            "control_call_s": phases,
+            "model_bytes": model_bytes,
+        },
     )
     return 0
 
