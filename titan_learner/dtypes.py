@@ -29,3 +29,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ConfigError(
         f"{dtype!r} is not an export dtype; allowed: {', '.join(DTYPE_NAMES)}", source="--dtype"
     )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's own name of a dtype ("float32", "bfloat16"): what manifests, update infos and
+    Hugging Face configs record, and `getattr(torch, name)` reads back."""
+    return str(dtype).removeprefix("torch.")

@@ -117,7 +117,8 @@ def test_bytes_altered_in_transit_are_refused_by_every_worker(trained, transfer,
 
 def test_a_manifest_that_does_not_match_what_arrived_is_refused(trained, transfer):
     """Driven by hand: announce v3, broadcast it, then vouch for v4 or for other names."""
-    from titan_learner.vllm.update_wire import ManifestedUpdateInfo, dtype_name
+    from titan_learner.dtypes import dtype_name
+    from titan_learner.vllm.update_wire import ManifestedUpdateInfo
     from titan_learner.weights.export import checksum_of
 
     sender, client = transfer

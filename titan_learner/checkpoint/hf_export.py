@@ -56,7 +56,7 @@ from titan_learner.data.serving_files import (
     write_serving_files,
 )
 from titan_learner.data.tokenizer import load_tokenizer, tokenizer_dir
-from titan_learner.dtypes import parse_dtype
+from titan_learner.dtypes import dtype_name, parse_dtype
 from titan_learner.model.architecture_record import ARCHITECTURE_FILE, recorded_architecture
 from titan_learner.model.initial_state import materialize
 from titan_learner.model.spec import build_meta, model_spec
@@ -302,7 +302,7 @@ def _keep_base_fields(path: Path, base_config: dict, dtype: torch.dtype) -> None
     export's."""
     written = _read_json(path)
     merged = {**base_config, **written}
-    merged["dtype"] = merged["torch_dtype"] = str(dtype).removeprefix("torch.")
+    merged["dtype"] = merged["torch_dtype"] = dtype_name(dtype)
     path.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
 
 

@@ -18,7 +18,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from titan_learner.vllm.update_wire import ManifestedUpdateInfo, dtype_name
+from titan_learner.dtypes import dtype_name
+from titan_learner.vllm.update_wire import ManifestedUpdateInfo
 from titan_learner.weights.matching import WeightsError
 
 Broadcast = Callable[[WeightSource, list[ParamMeta]], str]

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from titan_learner.dtypes import dtype_name
 from titan_learner.model.hf_config import hf_parameter_shapes
 from titan_learner.vllm.refusals import REFUSED
-from titan_learner.vllm.update_wire import ManifestedUpdateInfo, dtype_name
+from titan_learner.vllm.update_wire import ManifestedUpdateInfo
 from titan_learner.weights.export import WeightsManifest
 from titan_learner.weights.matching import WeightsError, match_named_tensors
 from titan_learner.weights.sinks import verify

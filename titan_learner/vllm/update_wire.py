@@ -40,7 +40,3 @@ class ManifestedUpdateInfo(WeightTransferUpdateInfo):
 
 def _is_dtype(name: str) -> bool:
     return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

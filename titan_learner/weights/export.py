@@ -18,6 +18,8 @@ import xxhash
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_learner.dtypes import dtype_name
+
 if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
 
@@ -164,7 +166,7 @@ class WeightExport:
             del full
             names.append(name)
             shapes.append(tuple(tensor.shape))
-            dtypes.append(str(tensor.dtype).removeprefix("torch."))
+            dtypes.append(dtype_name(tensor.dtype))
             filled += tensor.numel() * tensor.element_size()
             if self.keep:
                 tensor = tensor.to(self.device)
