@@ -128,10 +128,9 @@ def main() -> int:
             kv_cache_memory_bytes=64 << 20,
         )
         try:
-            hf = best_push(learner, lambda: GeneratorSink(embedded), args.repeats)
             calls = ControlCallTimes(engine.llm)
             results = {
-                "hf": hf,
+                "hf": best_push(learner, lambda: GeneratorSink(embedded), args.repeats),
                 "vllm": best_push(learner, lambda: GeneratorSink(engine), args.repeats),
             }
             phases = calls.best()

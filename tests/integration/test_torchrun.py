@@ -1,7 +1,8 @@
 """The job under the real torchrun, as users launch it: a user error is one line, printed once
-(by rank 0 unless it is slower than its grace), whose exit 2 is what torchrun reports as the root cause (torchrun then adds its own
-report of the failed ranks, which the job cannot suppress); a run that succeeds prints none of
-the launcher-level noise that a user cannot act on."""
+(by rank 0 unless it is slower than its grace), whose exit 2 is what torchrun reports as the
+root cause (torchrun then adds its own report of the failed ranks, which the job cannot
+suppress); a run that succeeds prints none of the launcher-level noise that a user cannot act
+on."""
 
 from __future__ import annotations
 
