@@ -10,7 +10,8 @@ policy version and an xxh3 checksum of the bytes) before it swaps anything in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
 
 Bucket = list[tuple[str, torch.Tensor]]
+ToStateDict = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 TIED_HF_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
@@ -85,12 +87,10 @@ def _fresh_full_tensor(param: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def iter_titan_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Fresh full tensors under TorchTitan state-dict names, one parameter at a time.
-
-    A collective on sharded models (each DTensor is all-gathered); every rank must iterate.
-    Fused QKV weights are split with TorchTitan's own state-dict hook.
-    """
+def titan_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ToStateDict]]:
+    """Each parameter once (tied weights once), with its state-dict name and what turns a whole
+    copy of it into TorchTitan state-dict tensors: a fused QKV weight is split into wq/wk/wv by
+    TorchTitan's own state-dict hook, any other parameter is itself."""
     from torchtitan.models.common.attention import FusedQKVLinear
 
     seen: set[int] = set()
@@ -102,14 +102,32 @@ def iter_titan_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             if id(param) in seen:  # tied weights: exported once here, aliased by the caller
                 continue
             seen.add(id(param))
-            full = _fresh_full_tensor(param)
             name = _state_dict_name(module_name, param_name)
             if fused:
-                split = {name: full}
-                FusedQKVLinear._split_qkv_on_save(module, split, name[: -len(param_name)], None)
-                yield from split.items()
+                yield name, param, partial(_split_fused_qkv, module, name, name[: -len(param_name)])
             else:
-                yield name, full
+                yield name, param, partial(_as_is, name)
+
+
+def _split_fused_qkv(module: nn.Module, name: str, prefix: str, full: torch.Tensor) -> dict:
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    split = {name: full}
+    FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
+    return split
+
+
+def _as_is(name: str, full: torch.Tensor) -> dict:
+    return {name: full}
+
+
+def iter_titan_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fresh full tensors under TorchTitan state-dict names, one parameter at a time.
+
+    A collective on sharded models (each DTensor is all-gathered); every rank must iterate.
+    """
+    for _, param, to_state_dict in titan_parameters(model):
+        yield from to_state_dict(_fresh_full_tensor(param)).items()
 
 
 def iter_hf_tensors(model: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:

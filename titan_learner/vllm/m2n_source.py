@@ -1,0 +1,45 @@
+"""What vLLM's `nccl_m2n` trainer engine sends: each rank's Hugging Face-named shards.
+
+vLLM's `M2NTrainerWeightTransferEngine` runs on every trainer rank and reshards each rank's
+shard straight into the servers' tensor-parallel layout; its source says where the shards lie
+(`M2NWeightSource`). vLLM's `DTensorModuleSource` reads the model's own parameters, under
+TorchTitan's names and layouts; this source hands it `LocalShards` instead: Hugging Face names,
+the serving dtype, Llama's q/k permutation applied. Like `NamedTensorSource`, it is filled with
+one update's shards before each send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from vllm.distributed.weight_transfer.m2n_common import M2NMesh, M2NParamMeta
+from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
+
+from titan_learner.weights.local_shards import LocalShards
+
+
+class ShardSource(M2NWeightSource):
+    """`shards`' layout (fixed for the run) and the shards of the update being sent."""
+
+    def __init__(self, shards: LocalShards) -> None:
+        self.shards = shards
+        self.named: list[tuple[str, torch.Tensor]] = []
+
+    def fill(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.named = named
+
+    def clear(self) -> None:
+        self.named = []
+
+    def mesh(self) -> M2NMesh:
+        return M2NMesh(self.shards.mesh_dims, 0)  # the trainer's ranks come first
+
+    def metadata(self) -> list[M2NParamMeta]:
+        return [
+            M2NParamMeta(plan.name, self.shards.dtype, plan.shape, plan.placements)
+            for plan in self.shards.plans
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(list(self.named))
