@@ -25,6 +25,9 @@
 #            transformers computes; where it does not, one line says these did not run
 #   vllm_sleep  the same through ipc with [rollout.vllm] sleep_level 1: the GPU memory the
 #            engine gives back while asleep
+# Not here: nccl and nccl_m2n move weights to servers on other GPUs, and NCCL takes one rank per
+# device (a lent machine has one GPU); their whole-update tests need 2 GPUs, nccl_m2n also
+# NVIDIA's nccl-extensions.
 # Numbers go to $OUT/gpu_smoke.jsonl (OUT: the lent machine's output folder; else
 # outputs/gpu_smoke), each check's log beside it.
 set -uo pipefail

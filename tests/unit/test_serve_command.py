@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from titan_learner.vllm.serve import server_command
@@ -162,7 +163,6 @@ def test_text_routes_keep_the_tokenizer_and_nothing_else_changes():
     ],
 )
 def test_bad_server_lists_are_one_line(servers, message):
-    from titan_learner.config.errors import ConfigError
     from titan_learner.job.validate import validate
 
     with pytest.raises(ConfigError) as info:
@@ -219,3 +219,23 @@ def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: rollout server {url} is unreachable (GET /health, 3 tries): ConnectionError"
     )
+
+
+def test_a_gpu_server_on_nccl_m2n_runs_vllms_own_engine_where_its_runtime_imports(monkeypatch):
+    """vLLM's m2n worker engine (unchecked: it writes shards straight into the model) needs
+    NVIDIA's nccl-extensions; without it the server is refused before it starts."""
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    config = toy('rollout.vllm.weight_transfer="nccl_m2n"')
+    try:
+        import nccl.m2n  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError) as info:
+            server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")
+        assert str(info.value).endswith(
+            "[rollout.vllm] weight_transfer: weight_transfer 'nccl_m2n' needs NVIDIA's "
+            "nccl-extensions (the nccl.m2n runtime, NCCL >= 2.30.5) and it does not import "
+            "here; allowed: nccl, gloo (or auto)"
+        )
+        return
+    argv, _ = server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")
+    assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl_m2n"})

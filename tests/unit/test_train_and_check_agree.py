@@ -110,6 +110,17 @@ BAD = {
         "[rollout.vllm] weight_transfer: 'NCCL' is not a weight-transfer backend; allowed: auto, "
         "ipc, nccl, nccl_m2n, gloo",
     ),
+    "nccl_m2n from a rollout thread": (
+        [
+            'rollout.generator="vllm"',
+            'rollout.model_path="engine"',
+            'rollout.vllm.weight_transfer="nccl_m2n"',
+            "rollout.max_off_policy_steps=1",
+        ],
+        "[rollout.vllm] weight_transfer: 'nccl_m2n' runs every trainer rank in each update, in "
+        "step with training, and max_off_policy_steps = 1 samples ahead in a rollout thread; "
+        "allowed: max_off_policy_steps = 0, or weight_transfer nccl or gloo",
+    ),
     "token budget shorter than a sequence": (
         ["learner.max_tokens_per_microbatch=20"],
         "[learner] max_tokens_per_microbatch: max_tokens_per_microbatch = 20 is shorter than the "

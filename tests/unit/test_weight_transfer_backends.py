@@ -19,6 +19,7 @@ CHOSEN = {
     ("gloo", False, False): "gloo",
     ("ipc", True, True): "ipc",
     ("nccl", True, False): "nccl",
+    ("nccl_m2n", True, False): "nccl_m2n",  # where nccl.m2n imports (below where it does not)
 }
 
 REFUSED = {
@@ -40,15 +41,35 @@ REFUSED = {
 @pytest.mark.parametrize(("case", "backend"), CHOSEN.items())
 def test_the_backend_chosen_for_each_engine_placement(case, backend):
     requested, on_gpu, colocated = case
-    assert resolve_weight_transfer(requested, engine_on_gpu=on_gpu, colocated=colocated) == backend
+    chosen = resolve_weight_transfer(
+        requested, engine_on_gpu=on_gpu, colocated=colocated, m2n_runtime=True
+    )
+    assert chosen == backend
 
 
 @pytest.mark.parametrize(("case", "message"), REFUSED.items())
 def test_a_backend_that_cannot_reach_the_engine_is_refused(case, message):
     requested, on_gpu, colocated = case
     with pytest.raises(ValueError) as info:
-        resolve_weight_transfer(requested, engine_on_gpu=on_gpu, colocated=colocated)
+        resolve_weight_transfer(
+            requested, engine_on_gpu=on_gpu, colocated=colocated, m2n_runtime=True
+        )
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_nccl_m2n_without_its_runtime_is_refused_naming_it():
+    """vLLM imports `nccl.m2n` only at the first transfer: refused before the run instead."""
+    with pytest.raises(ValueError) as info:
+        resolve_weight_transfer("nccl_m2n", engine_on_gpu=True, colocated=False, m2n_runtime=False)
+    assert str(info.value) == (
+        "weight_transfer 'nccl_m2n' needs NVIDIA's nccl-extensions (the nccl.m2n runtime, "
+        "NCCL >= 2.30.5) and it does not import here; allowed: nccl, gloo (or auto)"
+    )
+    try:
+        import nccl.m2n  # noqa: F401
+    except ImportError:  # this machine: the same refusal, found by trying the import
+        with pytest.raises(ValueError, match="needs NVIDIA's nccl-extensions"):
+            resolve_weight_transfer("nccl_m2n", engine_on_gpu=True, colocated=False)
 
 
 def test_every_named_backend_is_chosen_or_refused_somewhere():

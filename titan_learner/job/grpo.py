@@ -128,7 +128,7 @@ def build_generator(config: Config, learner, tokenizer: PromptTokenizer):
 
         dtype = DTYPES[config.learner.export_dtype]
         if config.rollout.vllm.get("servers"):
-            return build_server_generator(config, hf_config(learner.spec), dtype, ids)
+            return build_server_generator(config, learner, dtype, ids)
         return build_engine_generator(config, learner, dtype, ids)
     return HFGenerator(hf_config(learner.spec), device=learner.device, **ids)
 

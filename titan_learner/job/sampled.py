@@ -41,7 +41,12 @@ def sync_generator(learner, generator) -> None:
 
     The tensors never leave the process, so the manifest's names and shapes are checked but the
     bytes are not hashed (on GPU that would copy the whole model to the host every step).
+    Servers on nccl_m2n (`local_shards`) take each rank's own shards instead: no gather.
     """
     from titan_learner.weights.sinks import GeneratorSink, push_weights
 
+    shards = getattr(generator, "local_shards", None)
+    if shards is not None:
+        generator.load_weights(shards, learner.policy_version)
+        return
     push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False, checksum=False)

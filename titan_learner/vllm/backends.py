@@ -3,8 +3,9 @@
 `[rollout.vllm] weight_transfer`: "auto" picks by where the engine runs, the rest name a
 backend. ipc: CUDA IPC handles, for an engine on the trainer's own GPU (no copy leaves the
 device). nccl: a broadcast to engines on other GPUs or nodes. nccl_m2n: vLLM's resharding
-transfer from DTensor shards straight into the engine's tensor-parallel layout (rollout servers
-only). gloo: ours (titan_learner.vllm.gloo_engine), a broadcast over gloo through host memory:
+transfer from every trainer rank's shards straight into the servers' tensor-parallel layout
+(rollout servers only; it needs NVIDIA's nccl-extensions, the `nccl.m2n` runtime, on the trainer
+and the servers). gloo: ours (titan_learner.vllm.gloo_engine), a broadcast over gloo through host memory:
 the one that works without a GPU, and on any engine as a fallback.
 
 An engine that takes `nccl` from us runs our checked worker engine (`engine_backend`: vLLM's
@@ -23,11 +24,14 @@ def engine_backend(transfer: str) -> str:
     return ENGINE_BACKENDS.get(transfer, transfer)
 
 
-def resolve_weight_transfer(requested: str, *, engine_on_gpu: bool, colocated: bool) -> str:
+def resolve_weight_transfer(
+    requested: str, *, engine_on_gpu: bool, colocated: bool, m2n_runtime: bool | None = None
+) -> str:
     """The backend to use, or ValueError naming why `requested` cannot serve this engine.
 
     engine_on_gpu: the engine's workers run on CUDA devices. colocated: the engine shares the
-    trainer process's GPU (an in-process `vllm.LLM` on the rank's own device).
+    trainer process's GPU (an in-process `vllm.LLM` on the rank's own device). m2n_runtime:
+    whether `nccl.m2n` imports here (None: try it).
     """
     if requested not in WEIGHT_TRANSFERS:
         raise ValueError(
@@ -53,10 +57,22 @@ def resolve_weight_transfer(requested: str, *, engine_on_gpu: bool, colocated: b
             "weight_transfer 'nccl' needs the engine on another GPU than the trainer's (NCCL "
             "allows one rank per device); allowed for a colocated engine: ipc, gloo (or auto)"
         )
-    if requested == "nccl_m2n":
+    if requested == "nccl_m2n" and colocated:
         raise ValueError(
             "weight_transfer 'nccl_m2n' reshards into rollout servers' tensor-parallel layout, "
-            "and this engine is an in-process vllm.LLM; allowed here: "
-            + ("ipc, gloo (or auto)" if colocated else "nccl, gloo (or auto)")
+            "and this engine is an in-process vllm.LLM; allowed here: ipc, gloo (or auto)"
+        )
+    if requested == "nccl_m2n" and not (_m2n_imports() if m2n_runtime is None else m2n_runtime):
+        raise ValueError(
+            "weight_transfer 'nccl_m2n' needs NVIDIA's nccl-extensions (the nccl.m2n runtime, "
+            "NCCL >= 2.30.5) and it does not import here; allowed: nccl, gloo (or auto)"
         )
     return requested
+
+
+def _m2n_imports() -> bool:
+    try:
+        import nccl.m2n  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -44,21 +44,29 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     )
 
 
-def build_server_generator(config: Config, hf_model_config, dtype: torch.dtype, ids: dict):
+def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dict):
     """The [rollout.vllm] servers, shared by every rank; rank 0 pushes the weights once every
-    rank asked for them (a collective: every rank builds it)."""
-    from titan_learner.ranks import rank
+    rank asked for them, or, on nccl_m2n, every rank sends its own shards (a collective: every
+    rank builds it)."""
+    from titan_learner.model.hf_config import hf_config
+    from titan_learner.ranks import rank, world_size
     from titan_learner.vllm.push_gate import trainer_push_gate
     from titan_learner.vllm.serve import server_token
     from titan_learner.vllm.server_generator import ServerGenerator
+    from titan_learner.weights.local_shards import LocalShards
 
+    shards = None
+    if config.rollout.vllm.get("weight_transfer") == "nccl_m2n":
+        shards = LocalShards(learner.model, learner.spec, dtype, world_size())
     return ServerGenerator(
         config.rollout.vllm["servers"],
-        hf_model_config,
+        hf_config(learner.spec),
         dtype=dtype,
         sender=rank() == 0,
         weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
         token=server_token(config),
         gate=trainer_push_gate(),
+        shards=shards,
+        tensor_parallel=config.rollout.vllm.get("tensor_parallel_size", 1),
         **ids,
     )

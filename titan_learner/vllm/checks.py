@@ -51,6 +51,14 @@ def check_vllm_structure(config: Config) -> None:
             source=source,
             where="[rollout.vllm] weight_transfer",
         )
+    if transfer == "nccl_m2n" and config.rollout.max_off_policy_steps > 0:
+        raise ConfigError(  # every trainer rank sends, in step with training
+            "'nccl_m2n' runs every trainer rank in each update, in step with training, and "
+            f"max_off_policy_steps = {config.rollout.max_off_policy_steps} samples ahead in a "
+            "rollout thread; allowed: max_off_policy_steps = 0, or weight_transfer nccl or gloo",
+            source=source,
+            where="[rollout.vllm] weight_transfer",
+        )
     _check_servers(config)
     _check_sleep_level(config)
     for key, owner in RESERVED_ENGINE_KEYS.items():
@@ -210,23 +218,23 @@ def _gib(n: float) -> str:
 
 
 def _check_weight_transfer(config: Config) -> None:
-    """The backend `weight_transfer` names can serve an engine on this machine (the job puts
-    each rank's engine on the rank's device: its GPU where there is one)."""
+    """The backend `weight_transfer` names can serve the engines: each rank's own (on the
+    rank's device: its GPU where there is one) or the servers (elsewhere)."""
     import torch
 
     from titan_learner.vllm.backends import resolve_weight_transfer
 
     engine = config.rollout.vllm
+    requested = engine.get("weight_transfer", "auto")
+    where = "[rollout.vllm] weight_transfer"
     try:
         resolve_weight_transfer(
-            engine.get("weight_transfer", "auto"),
+            requested,
             engine_on_gpu=torch.cuda.is_available(),
-            colocated=engine.get("tensor_parallel_size", 1) == 1,
+            colocated=not engine.get("servers") and engine.get("tensor_parallel_size", 1) == 1,
         )
     except ValueError as err:
-        raise ConfigError(
-            str(err), source=config.source, where="[rollout.vllm] weight_transfer"
-        ) from None
+        raise ConfigError(str(err), source=config.source, where=where) from None
 
 
 def _check_engine_arguments(config: Config) -> None:

@@ -12,6 +12,11 @@ until every server reports the version before they sample, so no rank samples fr
 older than the ones it was handed, and no collective is needed (the call may come from a
 rollout thread). With several ranks, rank 0 pushes only once every rank has asked for the
 version (`PushGate`): no rank is then still sampling with the weights the push replaces.
+
+With `weight_transfer = "nccl_m2n"` every trainer rank sends its own shards (`LocalShards`,
+`m2n_trainer`): the job hands each rank's generator that rank's shards instead of the gathered
+export, every rank's `load_weights` runs the reshard together, and rank 0 alone pauses,
+finishes (with the version) and resumes the servers.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +36,9 @@ from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
 
+if TYPE_CHECKING:
+    from titan_learner.weights.local_shards import LocalShards
+
 MAX_CONCURRENT_REQUESTS = 64
 VERSION_POLL_S = 0.05
 
@@ -39,7 +47,9 @@ class ServerGenerator:
     """`urls`: the servers (`titan-learner serve` starts one). `config`: the transformers config
     of the model they serve (names and shapes each update is checked against). `sender`: this
     trainer process pushes the weights (rank 0); the others wait for the servers' version.
-    `gate`: with several trainer ranks, how rank 0 knows they all asked for a version."""
+    `gate`: with several trainer ranks, how rank 0 knows they all asked for a version.
+    `shards`: for nccl_m2n, this rank's share of the learner; `local_shards` is then set, and
+    `load_weights` takes what iterating it gives (every rank sends)."""
 
     def __init__(
         self,
@@ -54,6 +64,8 @@ class ServerGenerator:
         token: str,
         timeout_s: float = 300.0,
         gate: PushGate | None = None,
+        shards: LocalShards | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         from titan_learner.model.hf_config import hf_parameter_shapes
 
@@ -72,8 +84,14 @@ class ServerGenerator:
         self.weight_transfer = resolve_weight_transfer(
             weight_transfer, engine_on_gpu=torch.cuda.is_available(), colocated=False
         )
-        self._transfer = None
-        if sender:
+        self.sender = sender
+        self._transfer: Any = None
+        self.local_shards = shards if self.weight_transfer == "nccl_m2n" else None
+        if self.weight_transfer == "nccl_m2n":
+            self._transfer = _m2n_transfer(
+                self.servers, self.group.workers, shards, tensor_parallel
+            )
+        elif sender:
             from titan_learner.vllm.transfer import EngineWeightTransfer, address_toward
 
             self._transfer = EngineWeightTransfer(
@@ -86,6 +104,9 @@ class ServerGenerator:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         arrivals = None if self.gate is None else self.gate.arrive(version)
+        if self.local_shards is not None:
+            self._send_shards(list(named_tensors), version, arrivals)
+            return
         if self._transfer is None:
             self._wait_for_version(version)
             self.weights_version = int(version)
@@ -106,6 +127,24 @@ class ServerGenerator:
             self.group.reset_prefix_cache()  # cached KV was computed with the old weights
         finally:
             self.group.resume()
+        self.weights_version = int(version)
+
+    def _send_shards(self, shards: list, version: int, arrivals: Any) -> None:
+        """nccl_m2n: every rank reshards its own `shards` into the servers (a collective);
+        rank 0 pauses them first and resumes them after the version is set."""
+        if self.sender:
+            if arrivals is not None:
+                self.gate.wait_for_all(arrivals, version)
+            self.group.pause()
+        try:
+            self._transfer.send(shards, version)
+            if self.sender:
+                self.group.reset_prefix_cache()  # cached KV was computed with the old weights
+        finally:
+            if self.sender:
+                self.group.resume()
+        if not self.sender:
+            self._wait_for_version(version)
         self.weights_version = int(version)
 
     def _wait_for_version(self, version: int) -> None:
@@ -167,6 +206,28 @@ class ServerGenerator:
             self.pad_id,
             sampled_version(samples, self.weights_version),
         )
+
+
+def _m2n_transfer(
+    servers: list[ServerClient],
+    workers: list[int],
+    shards: LocalShards | None,
+    tensor_parallel: int,
+) -> Any:
+    from titan_learner.ranks import rank, world_size
+    from titan_learner.vllm.m2n_source import ShardSource
+    from titan_learner.vllm.m2n_trainer import M2NTransfer
+
+    if shards is None:
+        raise ValueError("weight_transfer 'nccl_m2n' sends each rank's shards: pass `shards`")
+    return M2NTransfer(
+        servers,
+        workers,
+        ShardSource(shards),
+        rank=rank(),
+        trainer_ranks=world_size(),
+        tensor_parallel=tensor_parallel,
+    )
 
 
 def sampled_version(samples: list[tuple[list[int], list[float], set[str]]], pushed: int) -> int:

@@ -1,0 +1,91 @@
+"""The `nccl_m2n` channel's pieces that run without NCCL (the reshard itself needs NVIDIA's
+nccl-extensions and GPUs, which no machine here has): the init info each server gets, parsed by
+vLLM's own worker side, and the version the servers are finished with."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import pytest
+import torch
+
+from tests.support.models import tiny_config
+from tests.support.vllm import needs_vllm
+from titan_learner.learner.local import LocalLearner
+
+pytestmark = needs_vllm
+
+UNIQUE_ID = base64.b64encode(os.urandom(128)).decode("ascii")
+
+
+@pytest.mark.parametrize(
+    ("workers", "tensor_parallel", "mesh"),
+    [(1, 1, (1, 1)), (4, 2, (2, 2)), (2, 2, (1, 2)), (3, 2, (3, 1))],
+    ids=["one worker", "two replicas of tp=2", "tp=2", "tp that does not divide: flat"],
+)
+def test_each_server_is_one_mesh_of_replicas_by_tensor_parallel_workers(
+    workers, tensor_parallel, mesh
+):
+    from titan_learner.vllm.m2n_trainer import m2n_init_info
+
+    info = m2n_init_info(1, 2, workers, tensor_parallel, UNIQUE_ID)
+    assert (info.rank, info.num_trainer_ranks, info.world_size) == (1, 2, 2 + workers)
+    assert info.destination_mesh_dims == mesh
+    assert base64.b64decode(info.nccl_unique_id_b64) == base64.b64decode(UNIQUE_ID)
+    assert UNIQUE_ID not in repr(info), "the secret stays out of logs"
+
+
+def test_vllm_refuses_a_trainer_rank_outside_the_trainer():
+    from titan_learner.vllm.m2n_trainer import m2n_init_info
+
+    with pytest.raises(ValueError, match=r"trainer `rank` \(2\) must be below"):
+        m2n_init_info(2, 2, 1, 1, UNIQUE_ID)
+
+
+def test_the_servers_init_request_parses_on_vllms_worker_side():
+    """The payload vLLM's m2n trainer engine sends for our source, as its workers parse it: the
+    learner's Hugging Face names in export order, the serving dtype, the whole shapes."""
+    from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerWeightTransferEngine
+
+    from titan_learner.vllm.m2n_source import ShardSource
+    from titan_learner.vllm.m2n_trainer import m2n_init_info
+    from titan_learner.weights.local_shards import LocalShards
+
+    learner = LocalLearner(tiny_config("llama3"))
+    exported = learner.get_weights(dtype=torch.bfloat16)
+    source = ShardSource(LocalShards(learner.model, learner.spec, torch.bfloat16, 1))
+    trainer = object.__new__(M2NTrainerWeightTransferEngine)  # init would join NCCL
+    trainer._src_mesh, trainer._metas = source.mesh(), source.metadata()
+    payload = trainer._worker_init_info(m2n_init_info(0, 1, 2, 2, UNIQUE_ID))
+    parsed = M2NWeightTransferInitInfo(**payload)
+    assert parsed.names == list(exported.keys())
+    assert parsed.shapes == [list(t.shape) for t in exported.values()]
+    assert set(parsed.dtype_names) == {"bfloat16"}
+    assert parsed.src_placements == [None] * len(parsed.names)  # one process holds it all
+    assert (parsed.rank_offset, parsed.world_size, parsed.dst_mesh_dims) == (1, 3, [1, 2])
+    assert parsed.src_mesh_dims == [1, 1]
+
+
+def test_the_servers_are_finished_with_the_version_sent():
+    from titan_learner.vllm.m2n_trainer import VersionedFinish
+
+    class Server:
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def __getattr__(self, route: str):
+            return lambda *args: self.calls.append((route, *args))
+
+    server = Server()
+    client = VersionedFinish(server)
+    client.version = 7
+    client.start_weight_update()
+    client.update_weights({"names": ["a"]})
+    client.finish_weight_update()  # vLLM's m2n engine names no version
+    assert server.calls == [
+        ("start_weight_update",),
+        ("update_weights", {"names": ["a"]}),
+        ("finish_weight_update", "7"),
+    ]
