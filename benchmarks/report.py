@@ -33,6 +33,7 @@ ORDER = (
     "logprobs",
     "weights",
     "vllm_push",
+    "local_shards",
     "checkpoint",
     "job",
     "off_policy",
