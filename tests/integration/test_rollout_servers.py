@@ -46,6 +46,7 @@ GUARDED = [
     ("POST", "reset_prefix_cache"),
     ("GET", "weight_info"),
     ("GET", "is_paused"),
+    ("GET", "server_info"),
     ("POST", "weight_checker"),
     ("POST", "inference/v1/generate"),
     ("POST", "v1/completions"),
@@ -140,6 +141,29 @@ def test_every_route_but_health_needs_the_token(servers):
         paused = requests.get(f"{url}/is_paused", headers=authorized(), timeout=10).json()
         assert paused == {"is_paused": False}, "the refused /pause changed nothing"
         assert served(url) == before, "the refused weight routes changed nothing"
+
+
+def test_a_server_on_another_weight_transfer_backend_is_one_line_before_any_transfer(servers):
+    """What each server reports of itself (vLLM's /server_info, behind the token) decides: the
+    job's backend must be the server's (nccl_m2n's trainer would otherwise wait in NCCL for
+    workers that never join); its tensor-parallel size lays out nccl_m2n's reshard."""
+    from titan_learner.vllm.server_client import ServerClient, ServerError
+    from titan_learner.vllm.server_generator import check_served_backend
+
+    _, urls, _ = servers
+    for url in urls:
+        config = ServerClient(url, token=TOKEN).served_config()
+        assert config["weight_transfer_config"]["backend"] == "gloo"
+        assert config["parallel_config"]["tensor_parallel_size"] == 1
+        check_served_backend(url, config, "gloo")
+        with pytest.raises(ServerError) as info:
+            check_served_backend(url, config, "nccl")
+        assert str(info.value) == (
+            f"rollout server {url} runs weight-transfer backend 'gloo' and this run sends with "
+            "'nccl' (backend 'nccl_checked'); allowed: restart it with this run's config "
+            "(titan-learner serve --config ...), or the same [rollout.vllm] weight_transfer in "
+            "both"
+        )
 
 
 def served_version(url: str) -> str:

@@ -67,6 +67,5 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         token=server_token(config),
         gate=trainer_push_gate(),
         shards=shards,
-        tensor_parallel=config.rollout.vllm.get("tensor_parallel_size", 1),
         **ids,
     )

@@ -86,7 +86,8 @@ class VersionedFinish:
 
 
 class M2NTransfer:
-    """Every trainer rank's shards to every server, through one vLLM m2n engine per server.
+    """Every trainer rank's shards to every server, through one vLLM m2n engine per server
+    (`tensor_parallel`: each server's, as it reports it).
 
     A collective: every trainer rank builds it and calls `send` together (the job does, in
     step with training), and rank 0 alone talks to the servers.
@@ -100,17 +101,18 @@ class M2NTransfer:
         *,
         rank: int,
         trainer_ranks: int,
-        tensor_parallel: int,
+        tensor_parallel: Sequence[int],
     ) -> None:
         from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerWeightTransferEngine
 
         self.source = source
         self.clients = [VersionedFinish(server) for server in servers]
         self.engines = []
-        for client, count, unique_id in zip(
-            self.clients, workers, minted_unique_ids(len(servers)), strict=True
+        unique_ids = minted_unique_ids(len(servers))
+        for client, count, tp, unique_id in zip(
+            self.clients, workers, tensor_parallel, unique_ids, strict=True
         ):
-            info = m2n_init_info(rank, trainer_ranks, count, tensor_parallel, unique_id)
+            info = m2n_init_info(rank, trainer_ranks, count, tp, unique_id)
             self.engines.append(
                 M2NTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
             )

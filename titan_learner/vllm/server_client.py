@@ -96,6 +96,11 @@ class ServerClient:
         """How many inference workers join a weight transfer (tensor x pipeline x data)."""
         return int(self._call("GET", "get_world_size")["world_size"])
 
+    def served_config(self) -> dict[str, Any]:
+        """The server's vLLM config as JSON (vLLM's dev-mode `/server_info`, which the RL
+        routes need anyway): its weight-transfer backend and parallel layout."""
+        return self._call("GET", "server_info", params={"config_format": "json"})["vllm_config"]
+
     def health(self) -> None:
         self._call("GET", "health")
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titan_learner.rollout.base import Rollout, _check_special_ids, eos_id_set, rollout_from_lists
-from titan_learner.vllm.backends import resolve_weight_transfer
+from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
 from titan_learner.vllm.generator import request_sampling
 from titan_learner.vllm.push_gate import PUSH_WAIT_S, PushGate
 from titan_learner.vllm.server_client import ServerClient, ServerError
@@ -65,7 +65,6 @@ class ServerGenerator:
         timeout_s: float = 300.0,
         gate: PushGate | None = None,
         shards: LocalShards | None = None,
-        tensor_parallel: int = 1,
     ) -> None:
         from titan_learner.model.hf_config import hf_parameter_shapes
 
@@ -85,12 +84,14 @@ class ServerGenerator:
             weight_transfer, engine_on_gpu=torch.cuda.is_available(), colocated=False
         )
         self.sender = sender
+        served = [server.served_config() for server in self.servers]
+        for server, config in zip(self.servers, served, strict=True):
+            check_served_backend(server.url, config, self.weight_transfer)
         self._transfer: Any = None
         self.local_shards = shards if self.weight_transfer == "nccl_m2n" else None
         if self.weight_transfer == "nccl_m2n":
-            self._transfer = _m2n_transfer(
-                self.servers, self.group.workers, shards, tensor_parallel
-            )
+            parallel = [c["parallel_config"]["tensor_parallel_size"] for c in served]
+            self._transfer = _m2n_transfer(self.servers, self.group.workers, shards, parallel)
         elif sender:
             from titan_learner.vllm.transfer import EngineWeightTransfer, address_toward
 
@@ -208,11 +209,26 @@ class ServerGenerator:
         )
 
 
+def check_served_backend(url: str, served: dict[str, Any], transfer: str) -> None:
+    """A server must run the worker engine of the backend the job sends with: a mismatch is
+    one line before any transfer (vLLM's nccl_m2n trainer would wait for the server's workers
+    in NCCL forever)."""
+    config = served.get("weight_transfer_config") or {}
+    expected = engine_backend(transfer)
+    if config.get("backend") != expected:
+        raise ServerError(
+            f"rollout server {url} runs weight-transfer backend {config.get('backend')!r} and "
+            f"this run sends with {transfer!r} (backend {expected!r}); allowed: restart it with "
+            "this run's config (titan-learner serve --config ...), or the same "
+            "[rollout.vllm] weight_transfer in both"
+        )
+
+
 def _m2n_transfer(
     servers: list[ServerClient],
     workers: list[int],
     shards: LocalShards | None,
-    tensor_parallel: int,
+    tensor_parallel: list[int],
 ) -> Any:
     from titan_learner.ranks import rank, world_size
     from titan_learner.vllm.m2n_source import ShardSource
