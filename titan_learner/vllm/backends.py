@@ -4,9 +4,9 @@
 backend. ipc: CUDA IPC handles, for an engine on the trainer's own GPU (no copy leaves the
 device). nccl: a broadcast to engines on other GPUs or nodes. nccl_m2n: vLLM's resharding
 transfer from every trainer rank's shards straight into the servers' tensor-parallel layout
-(rollout servers only; it needs NVIDIA's nccl-extensions, the `nccl.m2n` runtime, on the trainer
-and the servers). gloo: ours (titan_learner.vllm.gloo_engine), a broadcast over gloo through host memory:
-the one that works without a GPU, and on any engine as a fallback.
+(rollout servers only; it needs NVIDIA's nccl-extensions, the `nccl.m2n` runtime, on the
+trainer and the servers). gloo: ours (titan_learner.vllm.gloo_engine), a broadcast over gloo
+through host memory: the one that works without a GPU, and on any engine as a fallback.
 
 An engine that takes `nccl` from us runs our checked worker engine (`engine_backend`: vLLM's
 NCCL receive, then the manifest's check before the swap, `nccl_worker`).

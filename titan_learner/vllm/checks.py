@@ -225,16 +225,16 @@ def _check_weight_transfer(config: Config) -> None:
     from titan_learner.vllm.backends import resolve_weight_transfer
 
     engine = config.rollout.vllm
-    requested = engine.get("weight_transfer", "auto")
-    where = "[rollout.vllm] weight_transfer"
     try:
         resolve_weight_transfer(
-            requested,
+            engine.get("weight_transfer", "auto"),
             engine_on_gpu=torch.cuda.is_available(),
             colocated=not engine.get("servers") and engine.get("tensor_parallel_size", 1) == 1,
         )
     except ValueError as err:
-        raise ConfigError(str(err), source=config.source, where=where) from None
+        raise ConfigError(
+            str(err), source=config.source, where="[rollout.vllm] weight_transfer"
+        ) from None
 
 
 def _check_engine_arguments(config: Config) -> None:

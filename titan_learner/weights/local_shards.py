@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
 
 REPLICATE = -1
-"""A mesh axis that holds the whole tensor (vLLM's m2n code); any other code is the dim it splits."""
+"""A mesh axis that holds the whole tensor (vLLM's m2n code); another code is the dim it splits."""
 Placements = tuple[int, int]
 MeshDims = tuple[int, int]
 RowMap = torch.Tensor | bool | None
