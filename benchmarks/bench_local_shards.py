@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from result_file import add_result_argument, write_result
+from result_file import add_result_argument, print_result, write_result
 
 from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.titan import TitanLearner
@@ -68,9 +68,7 @@ def main() -> int:
         "tensors_sent_whole": sent_whole,
     }
     if dist.get_rank() == 0:
-        print(f"command: {' '.join(sys.argv)}")
-        for key, value in result.items():
-            print(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
+        print_result(result)
         write_result(
             args.result_json,
             benchmark=f"nccl_m2n's local shards ({model_bytes / MIB:.0f} MiB bf16)",

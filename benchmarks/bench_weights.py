@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from result_file import add_result_argument, write_result
+from result_file import add_result_argument, print_result, write_result
 
 from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.titan import TitanLearner
@@ -95,11 +95,7 @@ def main() -> int:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"command: {' '.join(sys.argv)}")
-            for key, value in result.items():
-                print(
-                    f"{key:>26}: {value:.4g}" if isinstance(value, float) else f"{key:>26}: {value}"
-                )
+            print_result(result)
         write_result(
             args.result_json,
             benchmark=f"weight export ({model_bytes / MIB:.0f} MiB)",

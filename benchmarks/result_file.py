@@ -81,6 +81,15 @@ def this_command() -> str:
     return command
 
 
+def print_result(result: dict[str, Any]) -> None:
+    """The command and each of a run's numbers, one per line, as a person reads them."""
+    print(f"command: {' '.join(sys.argv)}")
+    width = max(map(len, result), default=0)
+    for key, value in result.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else value
+        print(f"{key:>{width}}: {shown}")
+
+
 def write_result(
     path: str | os.PathLike | None,
     *,
