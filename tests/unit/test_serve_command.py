@@ -10,6 +10,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,40 @@ def test_a_server_that_is_not_there_is_one_line_after_bounded_retries():
         ServerClient(
             url, token="s3cret", timeout_s=5
         ).start_weight_update()  # not repeated: not idempotent
+
+
+def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
+    """A `vllm serve` started without VLLM_SERVER_DEV_MODE=1 answers 404 on every RL route,
+    /server_info included: the job's first question to it says what to change."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from titan_learner.vllm.server_client import ServerClient, ServerError
+
+    class WithoutDevMode(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/health"
+            self.send_response(200 if found else 404)
+            self.end_headers()
+            self.wfile.write(b"" if found else b'{"detail":"Not Found"}')
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), WithoutDevMode)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        client = ServerClient(url, token="s3cret", timeout_s=5)
+        client.health()
+        with pytest.raises(ServerError) as info:
+            client.served_config()
+    finally:
+        server.shutdown()
+    assert str(info.value) == (
+        f"rollout server {url} has no vLLM RL routes (GET /server_info answered 404): it was "
+        "started without VLLM_SERVER_DEV_MODE=1; allowed: a server from titan-learner serve "
+        "--config (which sets it and the rest the job needs)"
+    )
 
 
 def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):

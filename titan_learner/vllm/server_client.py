@@ -20,7 +20,12 @@ server cannot be connected to; a server that stays down is then one ServerError.
 
 
 class ServerError(RuntimeError):
-    """A rollout server that is down, unreachable or refused a request."""
+    """A rollout server that is down, unreachable or refused a request (`status`: its HTTP
+    status, where it answered)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ServerClient:
@@ -58,7 +63,8 @@ class ServerClient:
         if answer.status_code >= 400:
             raise ServerError(
                 f"rollout server {self.url} answered {method} /{route} with "
-                f"{answer.status_code}: {answer.text[:500]}"
+                f"{answer.status_code}: {answer.text[:500]}",
+                status=answer.status_code,
             )
         return answer.json() if answer.content else None
 
@@ -99,7 +105,18 @@ class ServerClient:
     def served_config(self) -> dict[str, Any]:
         """The server's vLLM config as JSON (vLLM's dev-mode `/server_info`, which the RL
         routes need anyway): its weight-transfer backend and parallel layout."""
-        return self._call("GET", "server_info", params={"config_format": "json"})["vllm_config"]
+        try:
+            answer = self._call("GET", "server_info", params={"config_format": "json"})
+        except ServerError as err:
+            if err.status != 404:
+                raise
+            raise ServerError(
+                f"rollout server {self.url} has no vLLM RL routes (GET /server_info answered "
+                "404): it was started without VLLM_SERVER_DEV_MODE=1; allowed: a server from "
+                "titan-learner serve --config (which sets it and the rest the job needs)",
+                status=404,
+            ) from None
+        return answer["vllm_config"]
 
     def health(self) -> None:
         self._call("GET", "health")
