@@ -55,7 +55,7 @@ def main() -> int:
     export_s = min(export[0] for export, _ in runs)
     local_s = min(local[0] for _, local in runs)
     export_bytes, local_bytes = runs[0][0][1], runs[0][1][1]
-    sent_whole = sum(plan.whole and plan.placements is None for plan in shards.plans)
+    sent_whole = sum(plan.placements is None for plan in shards.plans)
     result = {
         "world_size": dist.get_world_size(),
         "model_mib_bf16": model_bytes / MIB,

@@ -89,7 +89,7 @@ def check_layouts(rank: int, layouts: dict) -> dict:
                 "names": names,
                 "exported": list(exported),
                 "equal": sorted(n for n in names if torch.equal(whole[n], exported[n])),
-                "layout": {p.name: (p.whole, p.placements) for p in shards.plans},
+                "layout": {p.name: p.placements for p in shards.plans},  # None: sent whole
                 "mesh": source.mesh().dims,
             }
     return results
@@ -109,11 +109,6 @@ def results_of(world: list[dict], case: str) -> list[dict]:
     return [world[0][(case, str(F32))], world[0][(case, str(BF16))]]
 
 
-def sharded(layout: dict) -> dict:
-    """Name -> the placements it is sent under (None: whole from every rank)."""
-    return {name: placements for name, (_, placements) in layout.items()}
-
-
 def tied_alias(case: str) -> set[str]:
     return {"lm_head.weight"} if case.startswith("qwen3") else set()  # qwen3 tiny ties
 
@@ -130,13 +125,13 @@ def test_every_ranks_shards_reassemble_into_the_gathered_export(world2, world4, 
 def test_fsdp_sends_every_tensor_from_its_own_shard(world2):
     for result in results_of(world2, "llama3 dp_shard=2"):
         assert result["mesh"] == (2, 1)
-        assert set(sharded(result["layout"]).values()) == {(0, -1)}  # no gather at all
+        assert set(result["layout"].values()) == {(0, -1)}  # no gather at all
 
 
 def test_a_permutation_that_crosses_shards_is_gathered_and_only_it(world2):
     """One KV head: fused QKV's 96 rows split 48/48 cut q's heads apart from k and v."""
     for result in results_of(world2, "llama3 one KV head dp_shard=2"):
-        layout = sharded(result["layout"])
+        layout = result["layout"]
         whole = {name for name, placements in layout.items() if placements is None}
         assert whole == {
             f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 1) for p in "qkv"
@@ -146,7 +141,7 @@ def test_a_permutation_that_crosses_shards_is_gathered_and_only_it(world2):
 
 def test_tensor_parallel_shards_go_as_they_are_and_replicated_norms_whole(world2):
     for result in results_of(world2, "llama3 tp=2"):
-        layout = sharded(result["layout"])
+        layout = result["layout"]
         assert result["mesh"] == (1, 2)
         for name, placements in layout.items():
             if "norm" in name:
@@ -159,16 +154,15 @@ def test_tensor_parallel_shards_go_as_they_are_and_replicated_norms_whole(world2
 
 def test_replicated_and_hybrid_layouts(world2, world4):
     for result in results_of(world2, "llama3 dp_replicate=2"):
-        assert set(sharded(result["layout"]).values()) == {None}  # every rank holds it all
-        assert all(whole for whole, _ in result["layout"].values())
+        assert set(result["layout"].values()) == {None}  # every rank holds it all
     for result in results_of(world4, "llama3 HSDP 2x2"):
         assert result["mesh"] == (2, 2)
-        assert set(sharded(result["layout"]).values()) == {(-1, 0)}
+        assert set(result["layout"].values()) == {(-1, 0)}
 
 
 def test_fsdp_over_tensor_parallel_matrices_are_gathered(world4):
     """FSDP over TP shards dim 0 twice (a strided shard): m2n has no such placement."""
     for result in results_of(world4, "qwen3 dp_shard=2 x tp=2"):
-        for name, placements in sharded(result["layout"]).items():
+        for name, placements in result["layout"].items():
             matrix = name.endswith("proj.weight") or "embed" in name
             assert (placements is None) == matrix, name

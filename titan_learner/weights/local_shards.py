@@ -48,13 +48,11 @@ class ShardPlan:
     shape: tuple[int, ...]
     """The whole tensor's."""
     placements: Placements | None
-    """Over the source mesh; None: every rank sends the whole tensor."""
+    """Over the source mesh; None: every rank sends the whole tensor, made from the whole
+    parameter (all-gathered where it is sharded, as it is where every rank holds all of it)."""
     rows: torch.Tensor | None
     """This rank's rows of its own TorchTitan shard, in Hugging Face order (None: all, as they
-    are). Unused where `whole`."""
-    whole: bool
-    """Made from the whole parameter: all-gathered where it is sharded, as it is where every
-    rank holds all of it."""
+    are). Unused where the tensor is sent whole."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +103,10 @@ class LocalShards:
             param = parameter.param
             local = param.to_local() if isinstance(param, DTensor) else param
             made = {}
-            if any(plan.whole for plan in parameter.plans):
+            if any(plan.placements is None for plan in parameter.plans):
                 made = parameter.to_hf(param.full_tensor() if isinstance(param, DTensor) else param)
             for plan in parameter.plans:
-                if plan.whole:
+                if plan.placements is None:
                     tensor = made[plan.name]
                 elif plan.rows is None:
                     tensor = local
@@ -161,7 +159,7 @@ def _plan(
     rows: RowMap,
     mesh_dims: MeshDims,
 ) -> ShardPlan:
-    gathered = ShardPlan(name, shape, None, None, whole=True)
+    gathered = ShardPlan(name, shape, None, None)
     if not isinstance(param, DTensor):
         return gathered  # every rank holds all of it: nothing to gather
     codes = _codes(param)
@@ -178,14 +176,14 @@ def _plan(
         return gathered
     if rows is None or dim != 0:
         on_device = None if rows is None else rows.to(param.device)
-        return ShardPlan(name, shape, placements, on_device, whole=False)
+        return ShardPlan(name, shape, placements, on_device)
     ours, theirs = param.shape[0] // factor, shape[0] // factor
     chunks = rows.view(factor, theirs) - torch.arange(factor).view(-1, 1) * ours
     if bool(((chunks < 0) | (chunks >= ours)).any()):
         return gathered  # a Hugging Face shard takes rows from another rank's shard
     coordinate = param.device_mesh.get_coordinate()
     ours = chunks[coordinate[axis]].to(param.device)
-    return ShardPlan(name, shape, placements, ours, whole=False)
+    return ShardPlan(name, shape, placements, ours)
 
 
 def _codes(param: DTensor) -> list[int | None]:
