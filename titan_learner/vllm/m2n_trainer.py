@@ -18,7 +18,6 @@ served model (a mismatch fails the init request, before any transfer).
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,21 +46,16 @@ def minted_unique_ids(count: int) -> list[str]:
     """`count` fresh NCCL unique ids, minted on trainer rank 0 and the same on every rank (a
     collective over the trainer's process group)."""
     import torch.distributed as dist
-    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
 
     from titan_learner.ranks import is_distributed, rank
+    from titan_learner.vllm.nccl_rendezvous import encoded, new_unique_id
 
     ids: list[Any] = [None]
     if rank() == 0:
-        library = NCCLLibrary()
-        ids = [[_b64(bytes(library.ncclGetUniqueId().internal)) for _ in range(count)]]
+        ids = [[encoded(new_unique_id()) for _ in range(count)]]
     if is_distributed():
         dist.broadcast_object_list(ids, src=0)
     return ids[0]
-
-
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode("ascii")
 
 
 class VersionedFinish:

@@ -23,6 +23,19 @@ from typing import Any
 from titan_learner.vllm.sources import NamedTensorSource
 
 
+def new_unique_id() -> bytes:
+    """A fresh NCCL unique id (`ncclGetUniqueId`): the secret a group is joined from, minted
+    per init."""
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+    return bytes(NCCLLibrary().ncclGetUniqueId().internal)
+
+
+def encoded(unique_id: bytes) -> str:
+    """A unique id as an init request carries it (vLLM's `nccl_unique_id_b64`)."""
+    return base64.b64encode(unique_id).decode("ascii")
+
+
 def worker_init(unique_id: bytes, workers: int) -> dict[str, Any]:
     """The init request's payload for the servers' workers (ranks 1..`workers`, after the
     trainer's 0): the id, and no address or port for anyone to reach. The wire parameters
@@ -36,7 +49,7 @@ def worker_init(unique_id: bytes, workers: int) -> dict[str, Any]:
     info = CheckedNCCLInitInfo(
         rank_offset=1,
         world_size=1 + workers,
-        nccl_unique_id_b64=base64.b64encode(unique_id).decode("ascii"),
+        nccl_unique_id_b64=encoded(unique_id),
         packed=defaults.packed,
         packed_buffer_size_bytes=defaults.packed_buffer_size_bytes,
         packed_num_buffers=defaults.packed_num_buffers,
@@ -53,12 +66,11 @@ def secret_nccl_trainer(workers: int, client: Any, source: NamedTensorSource) ->
     (a wrong token, a server without the backend) is raised at once; the side thread, blocked
     in NCCL for peers that will not come, is a daemon and does not keep the process alive."""
     import torch
-    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
     from vllm.distributed.weight_transfer.nccl_common import uid_init_process_group
 
     from titan_learner.vllm.nccl_trainer import CheckedNCCLTrainer
 
-    unique_id = bytes(NCCLLibrary().ncclGetUniqueId().internal)
+    unique_id = new_unique_id()
     payload = worker_init(unique_id, workers)
     device = torch.accelerator.current_device_index()
     joined: dict[str, Any] = {}
