@@ -84,17 +84,15 @@ class ServerGenerator:
             weight_transfer, engine_on_gpu=torch.cuda.is_available(), colocated=False
         )
         self.sender = sender
-        served = [server.served_config() for server in self.servers]
-        for server, config in zip(self.servers, served, strict=True):
-            check_served_backend(server.url, config, self.weight_transfer)
         self._transfer: Any = None
         self.local_shards = shards if self.weight_transfer == "nccl_m2n" else None
-        if self.weight_transfer == "nccl_m2n":
-            parallel = [c["parallel_config"]["tensor_parallel_size"] for c in served]
+        if self.weight_transfer == "nccl_m2n":  # every rank sends
+            parallel = [c["parallel_config"]["tensor_parallel_size"] for c in self._served()]
             self._transfer = _m2n_transfer(self.servers, self.group.workers, shards, parallel)
         elif sender:
             from titan_learner.vllm.transfer import EngineWeightTransfer, address_toward
 
+            self._served()
             self._transfer = EngineWeightTransfer(
                 self.group,
                 self.weight_transfer,
@@ -102,6 +100,14 @@ class ServerGenerator:
                 address=address_toward(urls[0]),  # servers on other nodes connect back here
             )
         self.weights_version = 0
+
+    def _served(self) -> list[dict[str, Any]]:
+        """Each server's vLLM config, once it is known to run this job's backend (asked only
+        by the ranks that send: the others never transfer)."""
+        served = [server.served_config() for server in self.servers]
+        for server, config in zip(self.servers, served, strict=True):
+            check_served_backend(server.url, config, self.weight_transfer)
+        return served
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         arrivals = None if self.gate is None else self.gate.arrive(version)
