@@ -229,19 +229,19 @@ def test_two_ranks_sample_one_version_ahead_on_the_servers(job):
     assert [served_version(url) for url in urls] == ["3", "3"], "rank 0 pushed to both"
 
 
-def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, monkeypatch):
+def rank_0_generator(root: Path, urls: list[str]):
+    """A ServerGenerator on the servers as trainer rank 0 builds it, and the float32 weights
+    of a one-process learner of the run."""
     from transformers import AutoTokenizer
 
     from tests.support.hf_dirs import eos_ids
     from titan_learner.learner.local import LocalLearner
     from titan_learner.model.hf_config import hf_config
     from titan_learner.vllm.server_generator import ServerGenerator
-    from titan_learner.weights.matching import WeightsError
 
-    root, urls, _, _ = job
     one_process = tables(root, urls, steps=1)
     one_process.pop("parallelism")
-    learner = LocalLearner(config_from_dict(one_process, "tampered"))
+    learner = LocalLearner(config_from_dict(one_process, "one process"))
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     generator = ServerGenerator(
         urls,
@@ -252,7 +252,14 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
         sender=True,
         token=TOKEN,
     )
-    weights = list(learner.get_weights(dtype=torch.float32).items())
+    return generator, list(learner.get_weights(dtype=torch.float32).items())
+
+
+def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, monkeypatch):
+    from titan_learner.weights.matching import WeightsError
+
+    root, urls, _, _ = job
+    generator, weights = rank_0_generator(root, urls)
     generator.load_weights(weights, version=10)
 
     def greedy():
@@ -286,6 +293,29 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
         again.completion_log_probs, served.completion_log_probs, atol=0, rtol=0, equal_nan=True
     )  # NaN past each completion's end
     assert again.weights_version == 10
+    generator.close()
+
+
+def test_a_session_a_stopped_trainer_left_open_is_abandoned_and_the_update_goes_through(job):
+    """A trainer that stopped between start_weight_update and finish (killed, or a round that
+    failed on another server) leaves that server's session open, and vLLM refuses every start
+    until it ends: a restarted job could never update it. The next trainer ends it (the
+    workers refuse an abandoned update, one line in the server's log) and updates both."""
+    from titan_learner.vllm.server_client import ServerClient
+
+    root, urls, _, _ = job
+    generator, weights = rank_0_generator(root, urls)
+    ServerClient(urls[1], token=TOKEN).start_weight_update()  # what the stopped trainer left
+    with pytest.raises(Exception, match="already active"):  # vLLM's own refusal
+        ServerClient(urls[1], token=TOKEN).start_weight_update()
+    with pytest.warns(UserWarning, match="a weight-update session was left open") as said:
+        generator.load_weights(weights, version=20)
+    assert len(said) == 1 and urls[1] in str(said[0].message), [str(w.message) for w in said]
+    assert [served_version(url) for url in urls] == ["20", "20"]
+    generator.load_weights(weights, version=21)  # nothing left open, nothing said
+    assert [served_version(url) for url in urls] == ["21", "21"]
+    log = (root / "server1.log").read_text()
+    assert "weight update refused, nothing was swapped: the trainer abandoned this update" in log
     generator.close()
 
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
+from typing import Any
 
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from titan_learner.dtypes import dtype_name
 from titan_learner.vllm.update_wire import ManifestedUpdateInfo
@@ -27,11 +24,11 @@ Broadcast = Callable[[WeightSource, list[ParamMeta]], str]
 ValueError where the source disagrees with its metadata (vLLM's `_checked_iter`)."""
 
 
-def send_checked(
-    client: VLLMWeightSyncClient, source: WeightSource, broadcast: Broadcast, is_sender: bool
-) -> None:
+def send_checked(client: Any, source: WeightSource, broadcast: Broadcast, is_sender: bool) -> None:
     """One update of the source's export. Other trainer ranks only iterate the source, which
-    keeps them in any collective it runs (an FSDP gather)."""
+    keeps them in any collective it runs (an FSDP gather). `client`: vLLM's control calls
+    with `abandon_weight_update` (`UpdateSession`, `ServerGroup`), which ends any session a
+    failed round leaves open, so the next update (or a restarted job) is not refused."""
     meta = source.metadata()
     if not is_sender:
         for _ in source:
@@ -44,7 +41,11 @@ def send_checked(
         dtype_names=[dtype_name(m.dtype) for m in meta],
         shapes=[list(m.shape) for m in meta],
     )
-    client.start_weight_update()
+    try:
+        client.start_weight_update()
+    except BaseException:
+        client.abandon_weight_update()  # the engines that did start (one server of several)
+        raise
     executor = ThreadPoolExecutor(max_workers=1)
     try:
         receiving = executor.submit(client.update_weights, asdict(announce))
@@ -56,12 +57,18 @@ def send_checked(
             raise WeightsError(str(err)) from None
         receiving.result()
     finally:
-        executor.shutdown(wait=False)  # a failed broadcast leaves the workers waiting
+        # A failed broadcast leaves the workers waiting: their update raises when the data
+        # channel gives up, which ends their session.
+        executor.shutdown(wait=False)
     manifest = replace(announce, checksum=checksum)
     try:
-        client.update_weights(asdict(manifest))
-    except Exception as err:
-        raise WeightsError(
-            f"the vLLM engine refused export v{version}, it serves its previous weights: {err}"
-        ) from err
-    client.finish_weight_update(str(version))
+        try:
+            client.update_weights(asdict(manifest))
+        except Exception as err:
+            raise WeightsError(
+                f"the vLLM engine refused export v{version}, it serves its previous weights: {err}"
+            ) from err
+        client.finish_weight_update(str(version))
+    except BaseException:
+        client.abandon_weight_update()  # engines that accepted what another refused
+        raise

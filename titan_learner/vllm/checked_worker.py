@@ -53,6 +53,9 @@ class CheckedUpdates:
         self._drop()
 
     def receive_weights(self, update_info: ManifestedUpdateInfo) -> None:
+        if update_info.abandoned:  # raising ends vLLM's session (update_session)
+            self._drop()
+            raise WeightsError(f"{REFUSED}the trainer abandoned this update")
         if update_info.checksum is None:
             staged = self._receive(update_info)
             self._staged, self._staged_version, self._verified = staged, update_info.version, False

@@ -3,7 +3,9 @@
 vLLM's trainer engines drive one client; `ServerGroup` is that client for a list of servers. A
 backend that builds one group (gloo, nccl) numbers the workers after the trainer's rank 0, so
 each server's `rank_offset` is 1 + the workers of the servers before it. Each call goes to every
-server at once: their workers meet the trainer inside the same collectives.
+server at once: their workers meet the trainer inside the same collectives. Each server's
+update session is tracked (`UpdateSession`): a round that fails on some servers ends the
+sessions it left open on the others.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from titan_learner.vllm.server_client import ServerClient
+from titan_learner.vllm.update_session import UpdateSession
 
 
 class ServerGroup:
@@ -20,6 +23,7 @@ class ServerGroup:
         if not servers:
             raise ValueError("a server group needs at least one server")
         self.servers = list(servers)
+        self.sessions = [UpdateSession(server) for server in self.servers]
         self.workers = [server.workers() for server in self.servers]
 
     @property
@@ -40,13 +44,17 @@ class ServerGroup:
         )
 
     def start_weight_update(self) -> None:
-        self._on_every_server(lambda s, _: s.start_weight_update())
+        self._on_every_server(lambda _, i: self.sessions[i].start_weight_update())
 
     def update_weights(self, update_info: Any) -> None:
-        self._on_every_server(lambda s, _: s.update_weights(update_info))
+        self._on_every_server(lambda _, i: self.sessions[i].update_weights(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._on_every_server(lambda s, _: s.finish_weight_update(weight_version))
+        self._on_every_server(lambda _, i: self.sessions[i].finish_weight_update(weight_version))
+
+    def abandon_weight_update(self) -> None:
+        """End the sessions a failed round left open on some servers (`UpdateSession`)."""
+        self._on_every_server(lambda _, i: self.sessions[i].abandon_weight_update())
 
     def pause(self) -> None:
         self._on_every_server(lambda s, _: s.pause())

@@ -17,6 +17,7 @@ import torch
 from titan_learner.vllm.nccl_rendezvous import secret_nccl_trainer
 from titan_learner.vllm.plugin import register
 from titan_learner.vllm.sources import NamedTensorSource
+from titan_learner.vllm.update_session import UpdateSession
 
 
 def address_toward(url: str) -> str:
@@ -76,6 +77,9 @@ class EngineWeightTransfer:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         register()
+        checked = backend in ("gloo", "nccl")  # our checked rounds (`checked_round`)
+        if checked and not hasattr(client, "abandon_weight_update"):
+            client = UpdateSession(client)  # one engine's (a ServerGroup tracks each server's)
         self.backend = backend
         self.source = NamedTensorSource()
         if backend == "nccl":  # checked, joined from a secret (vllm.nccl_rendezvous)

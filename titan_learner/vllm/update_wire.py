@@ -10,7 +10,7 @@ control route, not on the data channel it vouches for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
@@ -19,13 +19,15 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
 @dataclass
 class ManifestedUpdateInfo(WeightTransferUpdateInfo):
     """One export's tensors, in broadcast order. Without `checksum`: they follow on the
-    broadcast. With it: the manifest of what was broadcast, checked before the swap."""
+    broadcast. With it: the manifest of what was broadcast, checked before the swap.
+    `abandoned`: the trainer ends the session without an update (`update_session`)."""
 
     version: int
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     checksum: str | None = field(default=None)
+    abandoned: bool = field(default=False)
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
@@ -40,3 +42,11 @@ class ManifestedUpdateInfo(WeightTransferUpdateInfo):
 
 def _is_dtype(name: str) -> bool:
     return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def abandoned_update() -> dict:
+    """The update that ends a session the trainer will not finish: the workers refuse it
+    before reading their data channel, and vLLM ends a session whose update raised."""
+    return asdict(
+        ManifestedUpdateInfo(version=-1, names=[], dtype_names=[], shapes=[], abandoned=True)
+    )
