@@ -41,6 +41,7 @@ GUARDED = [
     ("POST", "start_weight_update"),
     ("POST", "update_weights"),
     ("POST", "finish_weight_update"),
+    ("POST", "shutdown_weight_transfer_engine"),
     ("POST", "update_weight_version"),
     ("POST", "collective_rpc"),
     ("POST", "reset_prefix_cache"),

@@ -84,6 +84,9 @@ class ServerClient:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._call("POST", "finish_weight_update", retry=False, json=body)
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("POST", "shutdown_weight_transfer_engine", retry=False)
+
     # around an update
     def pause(self) -> None:
         """Freeze the queue (requests in flight and arriving wait, none is lost) for a swap."""

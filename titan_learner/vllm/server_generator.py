@@ -169,6 +169,8 @@ class ServerGenerator:
     def close(self) -> None:
         if self._transfer is not None:
             self._transfer.close()
+            if self.sender:
+                self.group.shutdown_weight_transfer_engine()
 
     def generate(
         self,

@@ -10,11 +10,12 @@ sessions it left open on the others.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from titan_learner.vllm.server_client import ServerClient
+from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.update_session import UpdateSession
 
 
@@ -55,6 +56,17 @@ class ServerGroup:
     def abandon_weight_update(self) -> None:
         """End the sessions a failed round left open on some servers (`UpdateSession`)."""
         self._on_every_server(lambda _, i: self.sessions[i].abandon_weight_update())
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Release each server's side of the transfer (an NCCL communicator, a gloo group),
+        which a server would otherwise keep until the next trainer connects; best effort: a
+        server that is gone has nothing to release."""
+
+        def release(server: ServerClient, _: int) -> None:
+            with contextlib.suppress(ServerError):
+                server.shutdown_weight_transfer_engine()
+
+        self._on_every_server(release)
 
     def pause(self) -> None:
         self._on_every_server(lambda s, _: s.pause())
