@@ -37,6 +37,10 @@ class HashedSource(WeightSource):
 class CheckedNCCLTrainer(NCCLTrainerWeightTransferEngine):
     def send_weights(self) -> None:
         assert self.source is not None
+        if torch.cuda.is_available():
+            # The source holds the export, made on this stream; vLLM packs and hashes it on
+            # streams of its own (packed_tensor), which do not wait for this one.
+            torch.cuda.current_stream().synchronize()
         send_checked(self.client, self.source, self._broadcast, self.is_sender)
         self._post_send_sync()
 

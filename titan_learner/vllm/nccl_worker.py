@@ -54,6 +54,12 @@ class CheckedNCCLWeightTransferEngine(CheckedUpdates, NCCLWeightTransferEngine):
         super().__init__(config, vllm_config, device, model)
         self._start_checking()
 
+    def init_transfer_engine(self, init_info: CheckedNCCLInitInfo) -> None:
+        """A trainer connecting again (a restarted job) replaces the last one's communicator:
+        vLLM's engine would overwrite it and keep its GPU buffers and threads."""
+        self.shutdown()
+        super().init_transfer_engine(init_info)
+
     def _receive(self, update_info: ManifestedUpdateInfo) -> Named:
         """vLLM's receive, into host copies instead of the served model."""
         copies, served = HostCopies(), self.model
