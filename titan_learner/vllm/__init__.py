@@ -9,7 +9,7 @@ rollout/, model/ and config/; only job/, cli/ and the public API depend on it.
   (`refusals`), the servers' bearer-token guard (`auth`);
 - sinks and transport: `VLLMEngineSink` (`engine_sink`), TorchRL's NCCL sender as a sink
   (`torchrl_sink`), the trainer side (`transfer`, `sources`, `checked_round`, `gloo_trainer`,
-  `nccl_trainer`, `nccl_rendezvous`, `backends`);
+  `nccl_trainer`, `nccl_rendezvous`, `ipc_trainer`, `backends`);
 - the server launcher (`serve`), the checks before any compute (`checks`, `engine_memory`,
   `errors`), and the deferred import of vllm under TorchRL (`lazy_import`).
 

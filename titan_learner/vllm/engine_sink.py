@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from titan_learner.vllm.ipc_trainer import require_ipc_handles
 from titan_learner.vllm.transfer import EngineWeightTransfer, OfflineClient
 from titan_learner.weights.matching import WeightsError
 from titan_learner.weights.sinks import StagingSink
@@ -22,7 +23,12 @@ class VLLMEngineSink(StagingSink):
     `nccl`: `"nccl_checked"`, our checked worker engine; `backends.engine_backend`), or any
     client of vLLM's four control calls (`VLLMWeightSyncClient`, e.g. vLLM's
     `HTTPVLLMWeightSyncClient` for a `vllm serve` server) with `workers` given: how many
-    inference workers join the transfer (tensor x pipeline x data parallel)."""
+    inference workers join the transfer (tensor x pipeline x data parallel).
+
+    `backend="ipc"` on a `vllm.LLM`: start it with VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the
+    environment (set before `vllm.LLM(...)`, which hands it to its engine process once): its
+    `update_weights` msgpack-encodes the CUDA IPC handles, which vLLM pickles only under that
+    variable (titan_learner.vllm.ipc_trainer). Without it here the sink refuses at once."""
 
     def __init__(self, engine: Any, *, backend: str = "gloo", workers: int | None = None) -> None:
         super().__init__()
@@ -30,6 +36,8 @@ class VLLMEngineSink(StagingSink):
             parallel = engine.llm_engine.vllm_config.parallel_config
             workers = parallel.world_size * parallel.data_parallel_size
             engine = OfflineClient(engine)
+            if backend == "ipc":
+                require_ipc_handles()
         elif workers is None:
             raise TypeError("workers is required with a weight-sync client (its engine's size)")
         self.transfer = EngineWeightTransfer(engine, backend, workers)

@@ -176,6 +176,10 @@ class VLLMGenerator:
             weight_transfer, engine_on_gpu=on_gpu, colocated=on_gpu and one_gpu
         )
         register()  # this process's vLLM factories know the gloo backend too
+        if self.weight_transfer == "ipc":
+            from titan_learner.vllm.ipc_trainer import allow_ipc_handles
+
+            allow_ipc_handles()  # the engine core reads it once, as it starts
         with engine_gpu(device if one_gpu else None):
             try:
                 self.llm = vllm.LLM(
