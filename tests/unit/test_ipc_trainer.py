@@ -5,17 +5,23 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1, as our generator sets it: checked with vLLM
 encoder and decoder, on a message of the shape `LLM.update_weights` sends. A real CUDA handle
 needs a GPU (scripts/gpu_smoke.sh); here the handle's arguments are built the way torch's
 `reduce_tensor` builds them for a CUDA tensor, with the same types.
+
+Our trainer engine's send, on CPU tensors with torch's CUDA device calls stood in for
+(`FakeCuda`): one rank of a real two-rank gloo world sends alone, so any collective on the
+default group would fail it, and every call runs on the device the engine was built for.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.support.vllm import needs_vllm
+from tests.support.worlds import run_world
 
 pytestmark = needs_vllm
 
@@ -126,8 +132,6 @@ def test_an_environment_that_refuses_the_handles_is_kept_and_one_line(vllm_env):
 
 
 def test_an_engine_sink_on_an_llm_without_the_variable_refuses_before_any_update(vllm_env):
-    from types import SimpleNamespace
-
     from titan_learner.vllm.engine_sink import VLLMEngineSink
 
     parallel = SimpleNamespace(world_size=1, data_parallel_size=1)
@@ -136,3 +140,93 @@ def test_an_engine_sink_on_an_llm_without_the_variable_refuses_before_any_update
     )
     with pytest.raises(ValueError, match="only with VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
         VLLMEngineSink(llm, backend="ipc")
+
+
+GROUP_TIMEOUT_S = 10
+"""How long a collective on the test's default group may wait: a send that entered one fails
+within this instead of hanging."""
+
+
+class FakeCuda:
+    """torch's CUDA device calls that vLLM's IPC trainer engine and ours make, on a machine
+    without CUDA: the current device (an index, 0 at first), the GPU UUIDs ("GPU-<index>")."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.collected_on: list[int] = []
+        fake = self
+
+        class Device:
+            def __init__(self, device) -> None:
+                index = device.index if isinstance(device, torch.device) else device
+                self.index = fake.current if index is None else index
+
+            def __enter__(self) -> None:
+                self.previous, fake.current = fake.current, self.index
+
+            def __exit__(self, *_) -> None:
+                fake.current = self.previous
+
+        torch.cuda.device = Device
+        torch.accelerator.current_device_index = lambda: fake.current
+        torch.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=f"GPU-{index}")
+        torch.cuda.ipc_collect = lambda: fake.collected_on.append(fake.current)
+
+
+class RecordingClient:
+    """vLLM's four control calls, recorded with the current (fake) CUDA device of each."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+        self.calls: list[tuple] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.calls.append(("init", self.cuda.current, init_info))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start", self.cuda.current))
+
+    def update_weights(self, update_info: dict) -> None:
+        uuids = [sorted(handle) for handle in update_info["ipc_handles"]]
+        self.calls.append(("update", self.cuda.current, update_info["names"], uuids))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", self.cuda.current, weight_version))
+
+
+def lone_sender(rank: int) -> dict | None:
+    """Rank 1 of a two-rank world sends to its own engine from cuda:1 while rank 0 does
+    nothing: what it recorded."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    if rank == 0:
+        return None
+    from titan_learner.vllm.transfer import EngineWeightTransfer
+
+    cuda = FakeCuda()
+    client = RecordingClient(cuda)
+    transfer = EngineWeightTransfer(client, "ipc", workers=1, device=torch.device("cuda", 1))
+    built = list(client.calls)
+    named = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(8, 4))]
+    transfer.send(named, 3)
+    return {
+        "built": built,
+        "sent": client.calls[len(built) :],
+        "collected_on": cuda.collected_on,
+        "current_after": cuda.current,
+    }
+
+
+def test_a_rank_sends_to_its_own_engine_alone_on_its_engines_device():
+    _, lone = run_world(2, lone_sender, timeout=120)
+    assert lone["built"] == [("init", 1, {"packed": False})]
+    assert lone["sent"] == [
+        ("start", 1),
+        ("update", 1, ["model.norm.weight", "lm_head.weight"], [["GPU-1"], ["GPU-1"]]),
+        ("finish", 1, None),
+    ]
+    assert lone["collected_on"] == [1]
+    assert lone["current_after"] == 0

@@ -28,7 +28,8 @@ class VLLMEngineSink(StagingSink):
     `backend="ipc"` on a `vllm.LLM`: start it with VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the
     environment (set before `vllm.LLM(...)`, which hands it to its engine process once): its
     `update_weights` msgpack-encodes the CUDA IPC handles, which vLLM pickles only under that
-    variable (titan_learner.vllm.ipc_trainer). Without it here the sink refuses at once."""
+    variable (titan_learner.vllm.ipc_trainer). Without it here the sink refuses at once. The
+    handles are sent from the CUDA device current as the sink is built (the engine's GPU)."""
 
     def __init__(self, engine: Any, *, backend: str = "gloo", workers: int | None = None) -> None:
         super().__init__()

@@ -197,6 +197,7 @@ class VLLMGenerator:
             OfflineClient(self.llm),
             self.weight_transfer,
             workers=parallel.world_size * parallel.data_parallel_size,
+            device=device,
         )
         self._sleep = EngineSleep(self.llm, sleep_level)
         self._sleep.sleep()  # the learner's first update has the GPU to itself

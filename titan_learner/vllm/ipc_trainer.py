@@ -7,11 +7,21 @@ decoder pickle such objects only under VLLM_ALLOW_INSECURE_SERIALIZATION=1
 (vllm/v1/serial_utils.py, `MsgpackEncoder.enc_hook`, `MsgpackDecoder.ext_hook`), and the engine
 core reads its environment once, when it starts (vllm.envs caches it there): the variable must
 be set before the engine starts, as vLLM's own IPC example for RL does.
+
+`LocalIPCTrainer` is vLLM's trainer engine kept to one trainer rank and its own engine, on that
+engine's device.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
+from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+)
 
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
@@ -39,4 +49,44 @@ def require_ipc_handles() -> None:
             f"{os.environ.get(INSECURE_SERIALIZATION)!r}); allowed: "
             f"{INSECURE_SERIALIZATION}=1 in the environment before the engine starts, or "
             "weight_transfer gloo"
+        )
+
+
+class LocalIPCTrainer(IPCTrainerWeightTransferEngine):
+    """vLLM's IPC trainer engine for a trainer rank that feeds its own colocated engine.
+
+    vLLM's engine serves trainer ranks that share one engine: whenever torch.distributed is up
+    with more than one rank, it all-gathers every rank's handles over the default process group,
+    then a barrier and a synchronize of the current device, and a barrier after each send
+    (ipc_engine.py `_all_gather_and_merge_handles`, `_post_send_sync`). In the job every
+    data-parallel rank sends to its own engine: the other ranks' handles are of no use to it,
+    and with max_off_policy_steps > 0 the send runs on the rollout thread, where a collective on
+    the default group races the training thread's (a deadlock) and the current CUDA device is
+    cuda:0 on every rank. Here the handles are this rank's alone, the step after a send is what
+    vLLM runs for a single rank (`ipc_collect`), and the whole send runs on the engine's device,
+    the one this engine was built on (`local_ipc_trainer`).
+    """
+
+    def send_weights(self) -> None:
+        with torch.cuda.device(self.device_index):
+            super().send_weights()
+
+    def _all_gather_and_merge_handles(
+        self, handles: list[dict[str, tuple]]
+    ) -> list[dict[str, tuple]]:
+        return handles
+
+    @staticmethod
+    def _post_send_sync() -> None:
+        torch.cuda.ipc_collect()
+
+
+def local_ipc_trainer(
+    client: VLLMWeightSyncClient, source: WeightSource, device: torch.device | None
+) -> LocalIPCTrainer:
+    """Our IPC trainer engine, sending from `device` (None: this thread's current CUDA device,
+    what vLLM's engine takes), its handshake done; unpacked, vLLM's default."""
+    with torch.cuda.device(device):  # vLLM's engine reads the current device as it is built
+        return LocalIPCTrainer.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=client, source=source
         )

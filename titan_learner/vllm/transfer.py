@@ -2,8 +2,9 @@
 
 `EngineWeightTransfer` builds the trainer engine for a backend through vLLM's
 `WeightTransferTrainerFactory` (our gloo backend registered first; `nccl`: vLLM's broadcast in
-our checked round, joined from a secret, `nccl_rendezvous`), with a client that answers
-the four control calls (a `vllm.LLM` does), and sends one export per `send(named, version)`.
+our checked round, joined from a secret, `nccl_rendezvous`; `ipc`: vLLM's IPC engine kept to
+this rank and its engine's device, `ipc_trainer`), with a client that answers the four control
+calls (a `vllm.LLM` does), and sends one export per `send(named, version)`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from titan_learner.vllm.ipc_trainer import local_ipc_trainer
 from titan_learner.vllm.nccl_rendezvous import secret_nccl_trainer
 from titan_learner.vllm.plugin import register
 from titan_learner.vllm.sources import NamedTensorSource
@@ -39,10 +41,6 @@ def trainer_init_info(backend: str, workers: int, address: str = "127.0.0.1") ->
         from titan_learner.vllm.gloo_trainer import GlooTrainerInitInfo
 
         return GlooTrainerInitInfo(rank=0, world_size=1 + workers, master_address=address)
-    if backend == "ipc":
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        return IPCTrainerInitInfo(rank=0)
     raise ValueError(f"no trainer init info for weight transfer backend {backend!r}")
 
 
@@ -70,10 +68,18 @@ class OfflineClient:
 class EngineWeightTransfer:
     """One engine's weights, sent through vLLM's trainer engine for `backend`."""
 
-    def __init__(self, client: Any, backend: str, workers: int, address: str = "127.0.0.1"):
+    def __init__(
+        self,
+        client: Any,
+        backend: str,
+        workers: int,
+        address: str = "127.0.0.1",
+        device: torch.device | None = None,
+    ):
         """`address`: where the engine's workers reach this process's gloo rendezvous
         (`address_toward` a server on another machine); NCCL's bootstrap picks its own
-        interface (`NCCL_SOCKET_IFNAME`)."""
+        interface (`NCCL_SOCKET_IFNAME`). `device`: the GPU that `ipc` shares with the engine
+        (None: the current CUDA device as this is built)."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         register()
@@ -84,6 +90,9 @@ class EngineWeightTransfer:
         self.source = NamedTensorSource()
         if backend == "nccl":  # checked, joined from a secret (vllm.nccl_rendezvous)
             self.engine = secret_nccl_trainer(workers, client, self.source)
+            return
+        if backend == "ipc":  # vLLM's engine, kept to this rank (vllm.ipc_trainer)
+            self.engine = local_ipc_trainer(client, self.source, device)
             return
         self.engine = WeightTransferTrainerFactory.trainer_init(
             trainer_init_info(backend, workers, address), client=client, source=self.source
