@@ -8,7 +8,8 @@ needs a GPU (scripts/gpu_smoke.sh); here the handle's arguments are built the wa
 
 Our trainer engine's send, on CPU tensors with torch's CUDA device calls stood in for
 (`FakeCuda`): one rank of a real two-rank gloo world sends alone, so any collective on the
-default group would fail it, and every call runs on the device the engine was built for.
+default group would fail it, and every call runs on the device the engine was built for; a
+send that fails after start still finishes the update.
 """
 
 from __future__ import annotations
@@ -149,9 +150,10 @@ within this instead of hanging."""
 
 class FakeCuda:
     """torch's CUDA device calls that vLLM's IPC trainer engine and ours make, on a machine
-    without CUDA: the current device (an index, 0 at first), the GPU UUIDs ("GPU-<index>")."""
+    without CUDA: the current device (an index, 0 at first), the GPU UUIDs ("GPU-<index>").
+    `patch`: how torch's attributes are replaced (monkeypatch.setattr in the test process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, patch=setattr) -> None:
         self.current = 0
         self.collected_on: list[int] = []
         fake = self
@@ -167,10 +169,10 @@ class FakeCuda:
             def __exit__(self, *_) -> None:
                 fake.current = self.previous
 
-        torch.cuda.device = Device
-        torch.accelerator.current_device_index = lambda: fake.current
-        torch.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=f"GPU-{index}")
-        torch.cuda.ipc_collect = lambda: fake.collected_on.append(fake.current)
+        patch(torch.cuda, "device", Device)
+        patch(torch.accelerator, "current_device_index", lambda: fake.current)
+        patch(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
+        patch(torch.cuda, "ipc_collect", lambda: fake.collected_on.append(fake.current))
 
 
 class RecordingClient:
@@ -192,6 +194,27 @@ class RecordingClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(("finish", self.cuda.current, weight_version))
+
+
+class FailingClient(RecordingClient):
+    """The engine refuses the update, then the finish of it (as vLLM's workers do once their
+    own update failed)."""
+
+    def update_weights(self, update_info: dict) -> None:
+        super().update_weights(update_info)
+        raise RuntimeError("the engine refused the update")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        super().finish_weight_update(weight_version)
+        raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+
+
+class FailingSource(list):
+    """An export whose second tensor fails to come (a gather that raised)."""
+
+    def __iter__(self):
+        yield self[0]
+        raise ValueError("the export failed midway")
 
 
 def lone_sender(rank: int) -> dict | None:
@@ -230,3 +253,26 @@ def test_a_rank_sends_to_its_own_engine_alone_on_its_engines_device():
     ]
     assert lone["collected_on"] == [1]
     assert lone["current_after"] == 0
+
+
+@pytest.mark.parametrize("failing", ["update", "source"])
+def test_a_send_that_fails_after_start_finishes_the_update_and_raises_its_own_error(
+    monkeypatch, failing
+):
+    """Else the engine's layers stay on the meta device and its workers refuse the next start."""
+    from titan_learner.vllm.ipc_trainer import local_ipc_trainer
+    from titan_learner.vllm.sources import NamedTensorSource
+
+    cuda = FakeCuda(monkeypatch.setattr)
+    client = FailingClient(cuda) if failing == "update" else RecordingClient(cuda)
+    source = NamedTensorSource()
+    engine = local_ipc_trainer(client, source, torch.device("cuda", 1))
+    named = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(8, 4))]
+    source.fill(FailingSource(named) if failing == "source" else named, 3)
+    message = "the engine refused the update" if failing == "update" else "failed midway"
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        engine.send_weights()
+    calls = {"update": ["start", "update", "finish"], "source": ["start", "finish"]}[failing]
+    assert [call[:2] for call in client.calls[1:]] == [(call, 1) for call in calls]
+    assert client.calls[-1] == ("finish", 1, None)  # the engine keeps its version
+    assert cuda.current == 0

@@ -14,6 +14,7 @@ engine's device.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -68,8 +69,26 @@ class LocalIPCTrainer(IPCTrainerWeightTransferEngine):
     """
 
     def send_weights(self) -> None:
+        """vLLM's send (start, every handle in one update, finish) on the engine's device. A
+        failure after start finishes the update before it is raised: vLLM's start moved the
+        engine's layers to the meta device (layerwise reload), only finish puts them back, and
+        until finish the workers refuse the next start. Finish keeps, layer by layer, what
+        arrived (vLLM's layerwise finalize): layers that received none of the update get their
+        previous weights back, layers that received all of it keep the new ones, and one that
+        received part is processed with that part, so a failure once the workers had begun
+        loading leaves the two versions mixed until the next update replaces them. A failure
+        before the update call (building the handles) leaves the previous weights whole."""
+        assert self.source is not None
         with torch.cuda.device(self.device_index):
-            super().send_weights()
+            self.client.start_weight_update()
+            try:
+                weight_refs = self._send(self.source)  # kept alive past finish (vLLM's note)
+            except BaseException:
+                finish_quietly(self.client)
+                raise
+            self.client.finish_weight_update()
+            self._post_send_sync()
+            del weight_refs
 
     def _all_gather_and_merge_handles(
         self, handles: list[dict[str, tuple]]
@@ -79,6 +98,15 @@ class LocalIPCTrainer(IPCTrainerWeightTransferEngine):
     @staticmethod
     def _post_send_sync() -> None:
         torch.cuda.ipc_collect()
+
+
+def finish_quietly(client: VLLMWeightSyncClient) -> None:
+    """Finish a failed update, best effort: its own error is dropped, the send's is raised.
+    (Where the workers' own load failed, vLLM has closed the update already, without restoring
+    the layers, and refuses this finish: gpu_worker.py `update_weights`; the next update loads
+    them.)"""
+    with contextlib.suppress(Exception):
+        client.finish_weight_update()
 
 
 def local_ipc_trainer(
