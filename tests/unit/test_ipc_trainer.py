@@ -249,7 +249,7 @@ def test_a_rank_sends_to_its_own_engine_alone_on_its_engines_device():
     assert lone["sent"] == [
         ("start", 1),
         ("update", 1, ["model.norm.weight", "lm_head.weight"], [["GPU-1"], ["GPU-1"]]),
-        ("finish", 1, None),
+        ("finish", 1, "3"),  # the engine reports the version it serves
     ]
     assert lone["collected_on"] == [1]
     assert lone["current_after"] == 0

@@ -18,11 +18,13 @@ import contextlib
 import os
 
 import torch
-from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
+from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
+
+from titan_learner.vllm.sources import NamedTensorSource
 
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
@@ -66,18 +68,24 @@ class LocalIPCTrainer(IPCTrainerWeightTransferEngine):
     cuda:0 on every rank. Here the handles are this rank's alone, the step after a send is what
     vLLM runs for a single rank (`ipc_collect`), and the whole send runs on the engine's device,
     the one this engine was built on (`local_ipc_trainer`).
+
+    vLLM's send finishes without a version (the engine's `get_weight_version()` never moves);
+    this one finishes with the source's, so the engine reports the version it serves.
     """
 
+    source: NamedTensorSource
+
     def send_weights(self) -> None:
-        """vLLM's send (start, every handle in one update, finish) on the engine's device. A
-        failure after start finishes the update before it is raised: vLLM's start moved the
-        engine's layers to the meta device (layerwise reload), only finish puts them back, and
-        until finish the workers refuse the next start. Finish keeps, layer by layer, what
-        arrived (vLLM's layerwise finalize): layers that received none of the update get their
-        previous weights back, layers that received all of it keep the new ones, and one that
-        received part is processed with that part, so a failure once the workers had begun
-        loading leaves the two versions mixed until the next update replaces them. A failure
-        before the update call (building the handles) leaves the previous weights whole."""
+        """vLLM's send (start, every handle in one update, finish with the version) on the
+        engine's device. A failure after start finishes the update, without a version, before
+        it is raised: vLLM's start moved the engine's layers to the meta device (layerwise
+        reload), only finish puts them back, and until finish the workers refuse the next
+        start. Finish keeps, layer by layer, what arrived (vLLM's layerwise finalize): layers
+        that received none of the update get their previous weights back, layers that received
+        all of it keep the new ones, and one that received part is processed with that part,
+        so a failure once the workers had begun loading leaves the two versions mixed until
+        the next update replaces them. A failure before the update call (building the handles)
+        leaves the previous weights whole."""
         assert self.source is not None
         with torch.cuda.device(self.device_index):
             self.client.start_weight_update()
@@ -86,7 +94,7 @@ class LocalIPCTrainer(IPCTrainerWeightTransferEngine):
             except BaseException:
                 finish_quietly(self.client)
                 raise
-            self.client.finish_weight_update()
+            self.client.finish_weight_update(str(self.source.version))
             self._post_send_sync()
             del weight_refs
 
@@ -110,7 +118,7 @@ def finish_quietly(client: VLLMWeightSyncClient) -> None:
 
 
 def local_ipc_trainer(
-    client: VLLMWeightSyncClient, source: WeightSource, device: torch.device | None
+    client: VLLMWeightSyncClient, source: NamedTensorSource, device: torch.device | None
 ) -> LocalIPCTrainer:
     """Our IPC trainer engine, sending from `device` (None: this thread's current CUDA device,
     what vLLM's engine takes), its handshake done; unpacked, vLLM's default."""
