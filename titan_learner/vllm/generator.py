@@ -199,7 +199,7 @@ class VLLMGenerator:
             workers=parallel.world_size * parallel.data_parallel_size,
             device=device,
         )
-        self._sleep = EngineSleep(self.llm, sleep_level)
+        self._sleep = EngineSleep(self.llm, sleep_level, device if on_gpu else None)
         self._sleep.sleep()  # the learner's first update has the GPU to itself
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
