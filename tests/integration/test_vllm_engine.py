@@ -70,7 +70,8 @@ def engine_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_dir):
-    """A VLLMGenerator on `engine_dir`; on CPU its weight transfer is gloo."""
+    """A VLLMGenerator on `engine_dir` whose weight transfer is gloo, named: the learner's
+    tensors are on the CPU, and on a GPU machine "auto" would pick ipc (CUDA tensors only)."""
     from titan_learner.vllm.generator import VLLMGenerator
 
     generator = VLLMGenerator(
@@ -79,6 +80,7 @@ def engine(engine_dir):
         pad_id=PAD_ID,
         dtype=F32,
         seed=0,
+        weight_transfer="gloo",
         enforce_eager=True,
         max_model_len=64,
         kv_cache_memory_bytes=64 << 20,
