@@ -123,6 +123,7 @@ def main() -> int:
             eos_id=0,
             pad_id=0,
             dtype=torch.float32,
+            weight_transfer="gloo",  # what is measured; "auto" is ipc on a GPU machine
             enforce_eager=True,
             max_model_len=64,
             kv_cache_memory_bytes=64 << 20,
