@@ -71,6 +71,7 @@ def tables(root: Path, servers: list[str], steps: int) -> dict:
                 "enforce_eager": True,
                 "kv_cache_memory_bytes": 64 << 20,
                 "servers": servers,
+                "server_timeout_s": 600,  # ours: `serve` leaves it out of vLLM's flags
             },
         },
         learner={"export_dtype": "float32"},

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,65 @@ def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
         f"rollout server {url} has no vLLM RL routes (GET /server_info answered 404): it was "
         "started without VLLM_SERVER_DEV_MODE=1; allowed: a server from titan-learner serve "
         "--config (which sets it and the rest the job needs)"
+    )
+
+
+def test_a_server_slower_than_server_timeout_s_is_one_line_naming_the_key():
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from titan_learner.vllm.server_client import ServerClient, ServerError
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            time.sleep(1.0)  # long completions on a busy server
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"choices": []}')
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ServerError) as info:
+            ServerClient(url, token="s3cret", timeout_s=0.25).generate([1, 2], {"n": 2})
+        assert ServerClient(url, token="s3cret", timeout_s=5).generate([1, 2], {"n": 2}) == []
+    finally:
+        server.shutdown()
+    assert str(info.value) == (
+        f"rollout server {url} did not answer POST /inference/v1/generate within 0.25 s; "
+        "allowed: a longer [rollout.vllm] server_timeout_s"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "extra", "message"),
+    [
+        ("0", SERVERS, "0; allowed: a finite number of seconds > 0"),
+        ("inf", SERVERS, "inf; allowed: a finite number of seconds > 0"),
+        ('"60"', SERVERS, "'60'; allowed: a finite number of seconds > 0"),
+        (
+            "60",
+            "rollout.vllm.enforce_eager=true",
+            "60 without rollout servers: only their requests wait for an answer; allowed: with "
+            "[rollout.vllm] servers, or left out",
+        ),
+    ],
+)
+def test_a_bad_server_timeout_is_one_line(value, extra, message):
+    from titan_learner.job.validate import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(
+            toy(f"rollout.vllm.server_timeout_s={value}", extra),
+            world_size=1,
+            on_this_machine=False,
+        )
+    assert str(info.value) == f"{TOY}: [rollout.vllm] server_timeout_s: {message}"
+    validate(
+        toy("rollout.vllm.server_timeout_s=7200", SERVERS), world_size=1, on_this_machine=False
     )
 
 

@@ -40,6 +40,14 @@ VLLM_OWN_KEYS: dict[str, EngineKey] = {
         "non-empty, each 'http://...' or 'https://...' once",
         "Running `titan-learner serve` servers to sample on instead of an engine per rank.",
     ),
+    "server_timeout_s": EngineKey(
+        "a number",
+        "3600",
+        "> 0; with servers",
+        "How long the job waits for a rollout server to answer one request (a prompt's samples, "
+        "a weight update) before it stops with one line naming the server. Long completions "
+        "on a busy server take minutes; a server that is down is found at once.",
+    ),
     "token_file": EngineKey(
         "a string",
         "unset",

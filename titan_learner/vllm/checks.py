@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from math import inf
 
 from titan_learner.config.derived import engine_model_path
 from titan_learner.config.errors import ConfigError
@@ -60,6 +61,7 @@ def check_vllm_structure(config: Config) -> None:
             where="[rollout.vllm] weight_transfer",
         )
     _check_servers(config)
+    _check_server_timeout(config)
     _check_sleep_level(config)
     for key, owner in RESERVED_ENGINE_KEYS.items():
         if key in config.rollout.vllm:
@@ -91,6 +93,27 @@ def _check_servers(config: Config) -> None:
             "a server is listed twice; allowed: each server once",
             source=config.source,
             where="[rollout.vllm] servers",
+        )
+
+
+def _check_server_timeout(config: Config) -> None:
+    """[rollout.vllm] server_timeout_s: seconds, for the servers' requests."""
+    timeout = config.rollout.vllm.get("server_timeout_s")
+    if timeout is None:
+        return
+    where = "[rollout.vllm] server_timeout_s"
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < inf:
+        raise ConfigError(
+            f"{timeout!r}; allowed: a finite number of seconds > 0",
+            source=config.source,
+            where=where,
+        )
+    if not config.rollout.vllm.get("servers"):
+        raise ConfigError(
+            f"{timeout!r} without rollout servers: only their requests wait for an answer; "
+            "allowed: with [rollout.vllm] servers, or left out",
+            source=config.source,
+            where=where,
         )
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 3600.0
+"""How long one request may wait for its answer ([rollout.vllm] server_timeout_s): a prompt's
+G long completions on a busy server take minutes, a large model's update too."""
 CONNECT_RETRIES = 3
 """Tries for a call that is safe to repeat (reads, generation, pause and resume) when the
 server cannot be connected to; a server that stays down is then one ServerError."""
@@ -54,6 +56,11 @@ class ServerClient:
                 raise ServerError(
                     f"rollout server {self.url} is unreachable ({method} /{route}, "
                     f"{attempt} tries): {type(err).__name__}"
+                ) from None
+            except requests.Timeout:
+                raise ServerError(
+                    f"rollout server {self.url} did not answer {method} /{route} within "
+                    f"{self.timeout_s:g} s; allowed: a longer [rollout.vllm] server_timeout_s"
                 ) from None
             except requests.RequestException as err:
                 raise ServerError(

@@ -32,7 +32,7 @@ from titan_learner.rollout.base import Rollout, _check_special_ids, eos_id_set, 
 from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
 from titan_learner.vllm.generator import request_sampling
 from titan_learner.vllm.push_gate import PUSH_WAIT_S, PushGate
-from titan_learner.vllm.server_client import ServerClient, ServerError
+from titan_learner.vllm.server_client import DEFAULT_TIMEOUT_S, ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
 
@@ -62,7 +62,7 @@ class ServerGenerator:
         sender: bool,
         weight_transfer: str = "auto",
         token: str,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         gate: PushGate | None = None,
         shards: LocalShards | None = None,
     ) -> None:
@@ -73,7 +73,6 @@ class ServerGenerator:
         self.pad_id = pad_id
         self.vocab_size = config.vocab_size
         self.dtype = dtype
-        self.timeout_s = timeout_s
         self.gate = gate
         self.servers = [ServerClient(url, token=token, timeout_s=timeout_s) for url in urls]
         for server in self.servers:
