@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from typing import Any
 
 from titan_learner.vllm.sources import NamedTensorSource
+
+JOIN_POLL_S = 0.05
 
 
 def new_unique_id() -> bytes:
@@ -62,9 +65,11 @@ def secret_nccl_trainer(workers: int, client: Any, source: NamedTensorSource) ->
     with `workers` inference workers that join from a unique id minted here.
 
     Every rank must enter NCCL's init together: the trainer joins on a side thread while the
-    init request (which returns once the workers have joined) runs here. A refused request
-    (a wrong token, a server without the backend) is raised at once; the side thread, blocked
-    in NCCL for peers that will not come, is a daemon and does not keep the process alive."""
+    init request (which returns once the workers have joined) runs on another. Whichever fails
+    first is raised at once: a refused request (a wrong token, a server without the backend),
+    or the trainer's own join (the workers that joined then wait in NCCL, which has no
+    timeout: restart those servers). The threads left blocked are daemons and do not keep
+    the process alive."""
     import torch
     from vllm.distributed.weight_transfer.nccl_common import uid_init_process_group
 
@@ -81,10 +86,19 @@ def secret_nccl_trainer(workers: int, client: Any, source: NamedTensorSource) ->
         except BaseException as err:  # handed to the caller's thread below
             joined["error"] = err
 
+    def ask() -> None:
+        try:
+            client.init_weight_transfer_engine(payload)
+            joined["asked"] = True
+        except BaseException as err:
+            joined["error"] = err
+
     trainer = threading.Thread(target=join, name="nccl-rendezvous", daemon=True)
+    asking = threading.Thread(target=ask, name="nccl-rendezvous-init", daemon=True)
     trainer.start()
-    client.init_weight_transfer_engine(payload)
-    trainer.join()
+    asking.start()
+    while "error" not in joined and not ("group" in joined and "asked" in joined):
+        time.sleep(JOIN_POLL_S)
     if "error" in joined:
         raise joined["error"]
     engine = CheckedNCCLTrainer(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from titan_learner.vllm.server_client import ServerClient, ServerError
@@ -39,10 +39,20 @@ class ServerGroup:
                 done.result()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Every server joins the trainer's group; a server that refuses is raised at once.
+        (The others wait inside the group's init for peers that will not come, and would
+        hold their answers until it gives up: gloo's timeout, or never on NCCL.)"""
         offsets = [1 + sum(self.workers[:i]) for i in range(len(self.servers))]
-        self._on_every_server(
-            lambda s, i: s.init_weight_transfer_engine({**init_info, "rank_offset": offsets[i]})
-        )
+        pool = ThreadPoolExecutor(len(self.servers))
+        try:
+            joining = [
+                pool.submit(s.init_weight_transfer_engine, {**init_info, "rank_offset": offsets[i]})
+                for i, s in enumerate(self.servers)
+            ]
+            for done in as_completed(joining):
+                done.result()
+        finally:
+            pool.shutdown(wait=False)
 
     def start_weight_update(self) -> None:
         self._on_every_server(lambda _, i: self.sessions[i].start_weight_update())
