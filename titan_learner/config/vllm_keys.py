@@ -31,7 +31,8 @@ VLLM_OWN_KEYS: dict[str, EngineKey] = {
         "CPU; nccl_m2n (servers on GPUs, with NVIDIA's nccl-extensions; max_off_policy_steps = "
         "0): every trainer rank's shards resharded into the servers' tensor-parallel layout, no "
         "gather, not checked before the swap. gloo and nccl check each update against its "
-        "manifest before the swap (one host copy of the export per worker during an update; "
+        "manifest before the swap (one host copy of the export per worker during an update, "
+        "so a tensor-parallel-8 server holds 8; "
         "servers from `titan-learner serve`).",
     ),
     "servers": EngineKey(
