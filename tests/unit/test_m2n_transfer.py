@@ -89,3 +89,33 @@ def test_the_servers_are_finished_with_the_version_sent():
         ("update_weights", {"names": ["a"]}),
         ("finish_weight_update", "7"),
     ]
+
+
+def test_a_tensor_split_over_more_ranks_than_m2n_lets_feed_one_destination_goes_whole():
+    """vLLM's workers refuse a replicated destination fed by more than MAX_SOURCE_SHARDS source
+    shards at their init, while every trainer rank waits in NCCL's init for them (FSDP over 17
+    ranks). LocalShards' decision, on the numbers (a world of 17 ranks is out of reach here):
+    up to the limit a tensor goes as shards, over it whole, and vLLM's check passes both."""
+    from vllm.distributed.weight_transfer.m2n_common import (
+        MAX_SOURCE_SHARDS,
+        M2NMesh,
+        check_plan_limits,
+        resolve_layout,
+    )
+
+    from titan_learner.weights.local_shards import REPLICATE, _m2n_splits
+
+    most, rows = MAX_SOURCE_SHARDS, MAX_SOURCE_SHARDS * (MAX_SOURCE_SHARDS + 1)  # even for both
+    destination = resolve_layout(M2NMesh((2, 1), most + 1), None)  # replicated on 2 workers
+
+    def vllm_checks(shards: int, placements) -> None:
+        source = resolve_layout(M2NMesh((shards, 1), 0), placements)
+        check_plan_limits(source, destination, "model.embed_tokens.weight")
+
+    assert _m2n_splits(rows, rows, most)
+    vllm_checks(most, (0, REPLICATE))
+    assert not _m2n_splits(rows, rows, most + 1)
+    vllm_checks(most + 1, None)  # whole
+    with pytest.raises(ValueError, match=f"would feed {most + 1} source shards"):
+        vllm_checks(most + 1, (0, REPLICATE))  # what the shards would have met
+    assert not _m2n_splits(rows + 1, rows + 1, 2)  # uneven shards still go whole

@@ -8,8 +8,9 @@ Hugging Face tensors by a rename, attention weights by a row gather (Llama's q/k
 permutation moves rows within a head; a fused QKV split takes row blocks). A row gather stays
 local when every Hugging Face shard's rows come from the same rank's TorchTitan shard (shards
 of whole heads). A tensor whose conversion crosses shards, or whose layout m2n cannot express
-(uneven shards, both mesh axes sharded, FSDP over TP's strided shards, another mesh), is
-gathered and sent whole from every rank: correct, at the cost of that tensor's gather.
+(uneven shards, more shards than m2n lets feed one destination shard, both mesh axes sharded,
+FSDP over TP's strided shards, another mesh), is gathered and sent whole from every rank:
+correct, at the cost of that tensor's gather.
 
 The plan is made once, from shapes and placements alone, so it is the same on every rank; it
 finds each conversion's rows by running TorchTitan's own conversion on a tensor of row indices.
@@ -172,7 +173,7 @@ def _plan(
     placements: Placements = (codes[0], REPLICATE) if len(codes) == 1 else (codes[0], codes[1])
     axis = next(a for a, c in enumerate(placements) if c != REPLICATE)
     dim, factor = placements[axis], mesh_dims[axis]
-    if shape[dim] % factor or param.shape[dim] % factor:
+    if not _m2n_splits(shape[dim], param.shape[dim], factor):
         return gathered
     if rows is None or dim != 0:
         on_device = None if rows is None else rows.to(param.device)
@@ -184,6 +185,21 @@ def _plan(
     coordinate = param.device_mesh.get_coordinate()
     ours = chunks[coordinate[axis]].to(param.device)
     return ShardPlan(name, shape, placements, ours)
+
+
+def _m2n_splits(whole: int, ours: int, shards: int) -> bool:
+    """Whether m2n takes a dim of size `whole` (`ours` in the TorchTitan parameter) as `shards`
+    source shards: even ones, and no more than m2n lets feed one destination shard.
+
+    vLLM's workers refuse more than `MAX_SOURCE_SHARDS` into a replicated destination at their
+    init (`check_plan_limits`), while the trainer ranks wait in the communicator's init for
+    workers that never join. A destination the workers split by tensor parallelism is not
+    checked there, but m2n's own bound is the same and a row-parallel one (split on the input
+    dim, where FSDP splits the rows) takes every source shard. The workers choose destinations
+    per server, after the plan is made, so the source's count alone decides."""
+    from vllm.distributed.weight_transfer.m2n_common import MAX_SOURCE_SHARDS
+
+    return shards <= MAX_SOURCE_SHARDS and whole % shards == 0 and ours % shards == 0
 
 
 def _codes(param: DTensor) -> list[int | None]:
