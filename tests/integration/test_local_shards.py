@@ -6,6 +6,7 @@ must pass vLLM's own m2n validation (what its trainer engine checks before any N
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -57,6 +58,54 @@ def vllm_accepts(source) -> None:
         validate_layout(*resolve_layout(mesh, meta.placements), meta.shape, "source")
 
 
+def sent_lazily(source, model) -> tuple[list, list[str]]:
+    """What `source` gives on each of two sends (two servers), as vLLM's engine iterates it,
+    and what it gave out before that was still alive at a gather (to a consumer that lets
+    each tensor go once it is sent).
+
+    The gathers are watched where they run, in the dispatcher (they run as they would anyway);
+    a tensor sharing a live weight's storage is no copy and is left out."""
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    weights = {
+        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+        for p in model.parameters()
+    }
+    given: list[tuple[str, StorageWeakRef]] = []
+    kept: list[str] = []
+
+    class AtGathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "all_gather" in func.__name__:
+                kept.extend(name for name, ref in given if not let_go(ref))
+            return func(*args, **(kwargs or {}))
+
+    sends = []
+    with AtGathers():
+        for send in range(2):
+            sent = []
+            for name, tensor in source:
+                if tensor.untyped_storage().data_ptr() not in weights:
+                    given.append((f"send {send}: {name}", StorageWeakRef(tensor.untyped_storage())))
+                sent.append((name, tensor.clone()))
+                del tensor
+            sends.append(sent)
+    return sends, kept
+
+
+def let_go(ref, seconds: float = 1.0) -> bool:
+    """Whether the storage `ref` watches is freed within `seconds`: gloo's worker thread lets go
+    of a collective's tensors a moment after the rank waiting on it goes on."""
+    deadline = time.monotonic() + seconds
+    while not ref.expired():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def check_layouts(rank: int, layouts: dict) -> dict:
     import torch.distributed as dist
 
@@ -76,16 +125,26 @@ def check_layouts(rank: int, layouts: dict) -> dict:
         for dtype in (F32, BF16):
             exported = dict(learner.get_weights(cpu_offload=False, dtype=dtype).items())
             shards = LocalShards(learner.model, learner.spec, dtype, dist.get_world_size())
-            sent = list(shards)
+            sent_listed = list(shards)  # all at once, as it was sent before
             names = [plan.name for plan in shards.plans]
-            assert [n for n, _ in sent] == names, case
+            assert [n for n, _ in sent_listed] == names, case
             whole = {}
-            for plan, (_, local) in zip(shards.plans, sent, strict=True):
+            for plan, (_, local) in zip(shards.plans, sent_listed, strict=True):
                 assert local.dtype == dtype and local.is_contiguous(), (case, plan.name)
                 whole[plan.name] = reassembled(plan, local, shards.mesh_dims)
             source = ShardSource(shards)
             vllm_accepts(source)
+            sends, kept = sent_lazily(source, learner.model)
             results[(case, str(dtype))] = {
+                "lazy_as_listed": [
+                    [n for n, _ in sent] == names
+                    and all(
+                        t.dtype == e.dtype and torch.equal(t, e)
+                        for (_, t), (_, e) in zip(sent, sent_listed, strict=True)
+                    )
+                    for sent in sends
+                ],
+                "kept_at_a_gather": kept,
                 "names": names,
                 "exported": list(exported),
                 "equal": sorted(n for n in names if torch.equal(whole[n], exported[n])),
@@ -166,3 +225,16 @@ def test_fsdp_over_tensor_parallel_matrices_are_gathered(world4):
         for name, placements in result["layout"].items():
             matrix = name.endswith("proj.weight") or "embed" in name
             assert (placements is None) == matrix, name
+
+
+@pytest.mark.parametrize("case", [*WORLD2, *WORLD4])
+def test_each_send_gives_one_tensor_at_a_time_what_listing_them_gave(world2, world4, case):
+    """vLLM's engine iterates the source once per server: each time the same tensors, bit for
+    bit and in the same order, as listing them all at once; and at every gather, nothing given
+    out before is still held (FSDP x TP gathers every matrix: it had them all at once)."""
+    world = world2 if case in WORLD2 else world4
+    for rank_results in world:
+        for dtype in (F32, BF16):
+            result = rank_results[(case, str(dtype))]
+            assert result["lazy_as_listed"] == [True, True], (case, dtype)
+            assert result["kept_at_a_gather"] == [], (case, dtype)

@@ -119,3 +119,16 @@ def test_a_tensor_split_over_more_ranks_than_m2n_lets_feed_one_destination_goes_
     with pytest.raises(ValueError, match=f"would feed {most + 1} source shards"):
         vllm_checks(most + 1, (0, REPLICATE))  # what the shards would have met
     assert not _m2n_splits(rows + 1, rows + 1, 2)  # uneven shards still go whole
+
+
+def test_nccl_m2n_sends_only_the_generators_own_shards():
+    """Each server's send iterates the shards the generator was built with afresh: other
+    tensors handed to `load_weights` are refused, not ignored."""
+    from titan_learner.vllm.server_generator import ServerGenerator
+    from titan_learner.weights.local_shards import LocalShards
+
+    learner = LocalLearner(tiny_config("llama3"))
+    generator = object.__new__(ServerGenerator)  # building one needs GPU servers
+    generator.local_shards = LocalShards(learner.model, learner.spec, torch.bfloat16, 1)
+    with pytest.raises(ValueError, match="pass the generator's `local_shards`"):
+        generator.load_weights(list(generator.local_shards), version=1)

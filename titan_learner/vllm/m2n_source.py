@@ -4,8 +4,14 @@ vLLM's `M2NTrainerWeightTransferEngine` runs on every trainer rank and reshards 
 shard straight into the servers' tensor-parallel layout; its source says where the shards lie
 (`M2NWeightSource`). vLLM's `DTensorModuleSource` reads the model's own parameters, under
 TorchTitan's names and layouts; this source hands it `LocalShards` instead: Hugging Face names,
-the serving dtype, Llama's q/k permutation applied. Like `NamedTensorSource`, it is filled with
-one update's shards before each send.
+the serving dtype, Llama's q/k permutation applied.
+
+Each send (one per server) iterates the shards afresh, one tensor at a time: vLLM's engine
+queues each one's reshard as it comes, records its use on its stream and waits for the stream
+only at the end (`M2NTrainerWeightTransferEngine._send`), so a tensor made for the send (cast,
+gathered) is let go once the next one comes and its memory is reused only after its reshard
+ran: no rank holds the whole model. Iterating gathers the tensors sent whole (collectives), in
+`plans` order on every rank: every rank sends.
 """
 
 from __future__ import annotations
@@ -20,17 +26,10 @@ from titan_learner.weights.local_shards import LocalShards
 
 
 class ShardSource(M2NWeightSource):
-    """`shards`' layout (fixed for the run) and the shards of the update being sent."""
+    """`shards`' layout (fixed for the run) and, each time it is iterated, their tensors now."""
 
     def __init__(self, shards: LocalShards) -> None:
         self.shards = shards
-        self.named: list[tuple[str, torch.Tensor]] = []
-
-    def fill(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.named = named
-
-    def clear(self) -> None:
-        self.named = []
 
     def mesh(self) -> M2NMesh:
         return M2NMesh(self.shards.mesh_dims, 0)  # the trainer's ranks come first
@@ -42,4 +41,4 @@ class ShardSource(M2NWeightSource):
         ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(list(self.named))
+        return iter(self.shards)

@@ -111,14 +111,11 @@ class M2NTransfer:
                 M2NTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
             )
 
-    def send(self, named: list, version: int) -> None:
-        self.source.fill(named)
-        try:
-            for client, engine in zip(self.clients, self.engines, strict=True):
-                client.version = int(version)
-                engine.send_weights()
-        finally:
-            self.source.clear()
+    def send(self, version: int) -> None:
+        """The source's shards to each server in turn (each send iterates them afresh)."""
+        for client, engine in zip(self.clients, self.engines, strict=True):
+            client.version = int(version)
+            engine.send_weights()
 
     def close(self) -> None:
         for engine in self.engines:

@@ -49,7 +49,7 @@ class ServerGenerator:
     trainer process pushes the weights (rank 0); the others wait for the servers' version.
     `gate`: with several trainer ranks, how rank 0 knows they all asked for a version.
     `shards`: for nccl_m2n, this rank's share of the learner; `local_shards` is then set, and
-    `load_weights` takes what iterating it gives (every rank sends)."""
+    `load_weights` takes it (every rank sends; each server's send iterates it afresh)."""
 
     def __init__(
         self,
@@ -109,9 +109,14 @@ class ServerGenerator:
         return served
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.local_shards is not None and named_tensors is not self.local_shards:
+            raise ValueError(
+                "weight_transfer 'nccl_m2n' sends this rank's own shards: pass the "
+                "generator's `local_shards`, not other tensors"
+            )
         arrivals = None if self.gate is None else self.gate.arrive(version)
         if self.local_shards is not None:
-            self._send_shards(list(named_tensors), version, arrivals)
+            self._send_shards(version, arrivals)
             return
         if self._transfer is None:
             self._wait_for_version(version)
@@ -135,15 +140,16 @@ class ServerGenerator:
             self.group.resume()
         self.weights_version = int(version)
 
-    def _send_shards(self, shards: list, version: int, arrivals: Any) -> None:
-        """nccl_m2n: every rank reshards its own `shards` into the servers (a collective);
-        rank 0 pauses them first and resumes them after the version is set."""
+    def _send_shards(self, version: int, arrivals: Any) -> None:
+        """nccl_m2n: every rank reshards its own `local_shards` into the servers (a collective,
+        one tensor at a time); rank 0 pauses them first and resumes them after the version is
+        set."""
         if self.sender:
             if arrivals is not None:
                 self.gate.wait_for_all(arrivals, version)
             self.group.pause()
         try:
-            self._transfer.send(shards, version)
+            self._transfer.send(version)
             if self.sender:
                 self.group.reset_prefix_cache()  # cached KV was computed with the old weights
         finally:

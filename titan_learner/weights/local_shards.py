@@ -99,7 +99,11 @@ class LocalShards:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, this rank's shard) in `plans` order; may alias live weights, so
-        send them before the learner's next update."""
+        send them before the learner's next update.
+
+        One parameter at a time: what was made for the one before (gathered, cast) is let go
+        before the next gather, so a consumer that drops each tensor once it is sent never
+        holds more than one parameter's."""
         for parameter in self._parameters:
             param = parameter.param
             local = param.to_local() if isinstance(param, DTensor) else param
@@ -107,13 +111,18 @@ class LocalShards:
             if any(plan.placements is None for plan in parameter.plans):
                 made = parameter.to_hf(param.full_tensor() if isinstance(param, DTensor) else param)
             for plan in parameter.plans:
-                if plan.placements is None:
-                    tensor = made[plan.name]
-                elif plan.rows is None:
-                    tensor = local
-                else:
-                    tensor = local.index_select(0, plan.rows)
-                yield plan.name, tensor.detach().to(self.dtype).contiguous()
+                yield plan.name, self._sent(plan, local, made)
+
+    def _sent(self, plan: ShardPlan, local: torch.Tensor, made: dict) -> torch.Tensor:
+        """What `plan` sends, from this rank's shard `local` or the Hugging Face tensors `made`
+        of the whole parameter (taken out: nothing keeps it once it is sent)."""
+        if plan.placements is None:
+            tensor = made.pop(plan.name)
+        elif plan.rows is None:
+            tensor = local
+        else:
+            tensor = local.index_select(0, plan.rows)
+        return tensor.detach().to(self.dtype).contiguous()
 
 
 def _source_mesh(model: nn.Module, world_size: int) -> MeshDims:
