@@ -132,3 +132,48 @@ def test_nccl_m2n_sends_only_the_generators_own_shards():
     generator.local_shards = LocalShards(learner.model, learner.spec, torch.bfloat16, 1)
     with pytest.raises(ValueError, match="pass the generator's `local_shards`"):
         generator.load_weights(list(generator.local_shards), version=1)
+
+
+LAYER_1 = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+LAYER_1 += ["mlp.gate_proj", "mlp.down_proj", "mlp.up_proj", "input_layernorm"]
+REFUSED = {
+    "vocab_size": "wrong shapes: model.embed_tokens.weight: got (32, 64), the model has (48, 64); "
+    "lm_head.weight: got (32, 64), the model has (48, 64)",
+    "num_hidden_layers": "unknown names (not parameters of the model): "
+    + ", ".join(f"model.layers.1.{name}.weight" for name in LAYER_1)
+    + " (and 1 more)",
+}
+
+
+@pytest.mark.parametrize(("key", "value"), [("vocab_size", 48), ("num_hidden_layers", 1)])
+def test_shards_that_do_not_fit_the_served_model_are_refused_before_any_server_is_asked(key, value):
+    """vLLM's m2n checks no name or shape against the served model (what it cannot place fails
+    in the model's load_weights mid-update, the trainer ranks waiting in the reshards): the
+    generator refuses them as every backend refuses an update, before it asks any server (none
+    listens at the url: a request would have failed first)."""
+    from tests.support.servers import free_port
+    from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
+    from titan_learner.vllm.server_generator import ServerGenerator, check_shards
+    from titan_learner.weights.local_shards import LocalShards
+    from titan_learner.weights.matching import WeightsError
+
+    learner = LocalLearner(tiny_config("llama3"))
+    shards = LocalShards(learner.model, learner.spec, torch.bfloat16, 1)
+    check_shards(shards, *hf_parameter_shapes(hf_config(learner.spec)))  # the model they fit
+    served = hf_config(learner.spec)
+    setattr(served, key, value)
+    with pytest.raises(WeightsError) as refused:
+        ServerGenerator(
+            [f"http://127.0.0.1:{free_port()}"],
+            served,
+            eos_id=1,
+            pad_id=0,
+            dtype=torch.bfloat16,
+            sender=True,
+            weight_transfer="nccl_m2n",
+            token="test-token-not-a-secret",
+            shards=shards,
+        )
+    assert str(refused.value) == (
+        f"load_weights rejected the weights, nothing was sent: {REFUSED[key]}"
+    )

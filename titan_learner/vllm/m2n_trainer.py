@@ -12,8 +12,13 @@ group; a server receives it only inside its guarded init request. Rank 0 alone d
 servers' control routes; every rank runs every reshard.
 
 Unlike gloo and nccl, no manifest is checked before the swap: vLLM writes each shard straight
-into the served parameters. What vLLM checks: at init, every name, dtype and shape against the
-served model (a mismatch fails the init request, before any transfer).
+into the served parameters. What vLLM checks at init: each tensor's dtype and rank, that its
+layouts divide its shape, and m2n's fan-in and fan-out limits. Not names or shapes against the
+served model: a tensor its workers cannot place (another name, a shape that does not fit) is
+received whole for the model's `load_weights` (m2n_layout.resolve_parameter_destinations),
+which fails inside the update while every trainer rank waits in the reshards. So
+`ServerGenerator` checks the shards' names and whole shapes against the served model before it
+asks any server anything (`check_shards`).
 """
 
 from __future__ import annotations

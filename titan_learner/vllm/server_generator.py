@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 MAX_CONCURRENT_REQUESTS = 64
 VERSION_POLL_S = 0.05
+REJECTED = "load_weights rejected the weights, nothing was sent"
 
 
 class ServerGenerator:
@@ -48,8 +49,9 @@ class ServerGenerator:
     of the model they serve (names and shapes each update is checked against). `sender`: this
     trainer process pushes the weights (rank 0); the others wait for the servers' version.
     `gate`: with several trainer ranks, how rank 0 knows they all asked for a version.
-    `shards`: for nccl_m2n, this rank's share of the learner; `local_shards` is then set, and
-    `load_weights` takes it (every rank sends; each server's send iterates it afresh)."""
+    `shards`: for nccl_m2n, this rank's share of the learner, checked against `config` before
+    any server is asked anything; `local_shards` is then set, and `load_weights` takes it
+    (every rank sends; each server's send iterates it afresh)."""
 
     def __init__(
         self,
@@ -74,11 +76,13 @@ class ServerGenerator:
         self.vocab_size = config.vocab_size
         self.dtype = dtype
         self.gate = gate
+        self._shapes, self._required = hf_parameter_shapes(config)
+        if shards is not None:
+            check_shards(shards, self._shapes, self._required)
         self.servers = [ServerClient(url, token=token, timeout_s=timeout_s) for url in urls]
         for server in self.servers:
             server.health()
         self.group = ServerGroup(self.servers)
-        self._shapes, self._required = hf_parameter_shapes(config)
         self.weight_transfer = resolve_weight_transfer(
             weight_transfer, engine_on_gpu=torch.cuda.is_available(), colocated=False
         )
@@ -126,7 +130,7 @@ class ServerGenerator:
             named_tensors,
             self._shapes,
             required=self._required,
-            rejected="load_weights rejected the weights, nothing was sent",
+            rejected=REJECTED,
         )
         if arrivals is not None:
             self.gate.wait_for_all(arrivals, version)
@@ -235,6 +239,25 @@ def check_served_backend(url: str, served: dict[str, Any], transfer: str) -> Non
             "this run's config (titan-learner serve --config ...), or the same "
             "[rollout.vllm] weight_transfer in both"
         )
+
+
+def check_shards(shards: LocalShards, shapes: dict[str, torch.Size], required: list[str]) -> None:
+    """`shards`' Hugging Face names and whole shapes against the served model's (`shapes`,
+    `required`: `hf_parameter_shapes`), the check every other backend runs on each update.
+
+    vLLM's m2n checks neither: a name its workers cannot place, or a shape that does not fit
+    the parameter, is received whole for the model's `load_weights`, which fails inside the
+    update while every trainer rank waits in the reshards. The plans are fixed for the run, so
+    once is enough; no tensor is made (meta tensors of the whole shapes)."""
+    match_named_tensors(
+        (
+            (plan.name, torch.empty(plan.shape, dtype=shards.dtype, device="meta"))
+            for plan in shards.plans
+        ),
+        shapes,
+        required=required,
+        rejected=REJECTED,
+    )
 
 
 def _m2n_transfer(
