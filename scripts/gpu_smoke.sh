@@ -52,6 +52,22 @@ if ! "$PYTHON" -c "import torchtitan, torchrl, tensordict, torchdata, xxhash" 2>
     PYTHON=.gpu_venv/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# vLLM loads our gloo backend in its engine processes from the package's entry point
+# (vllm.general_plugins, pyproject.toml); titan_learner runs from source here, so a minimal
+# dist-info on PYTHONPATH declares it where no installed titan_learner does.
+if ! "$PYTHON" -c "import importlib.metadata as m; m.distribution('titan_learner')" 2>/dev/null; then
+    "$PYTHON" - <<'PY' || { echo "gpu_smoke: declaring the vLLM plugin failed" >&2; exit 1; }
+import pathlib, tomllib
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = pathlib.Path(".gpu_meta") / f"titan_learner-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: titan_learner\nVersion: {project['version']}\n")
+lines = [f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items())
+         for group, points in project["entry-points"].items()]
+(info / "entry_points.txt").write_text("\n".join(lines))
+PY
+    export PYTHONPATH="$PWD/.gpu_meta:$PYTHONPATH"
+fi
 
 check() {  # check NAME LIMIT_S COMMAND...: run it under a timeout, log it, record failure
     local name="$1" limit="$2"
