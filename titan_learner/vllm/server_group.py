@@ -31,28 +31,28 @@ class ServerGroup:
     def total_workers(self) -> int:
         return sum(self.workers)
 
-    def _on_every_server(self, call: Callable[[ServerClient, int], Any]) -> None:
-        """Call every server concurrently; the first failure is raised once all returned."""
-        with ThreadPoolExecutor(len(self.servers)) as pool:
+    def _on_every_server(
+        self, call: Callable[[ServerClient, int], Any], *, wait_for_all: bool = True
+    ) -> None:
+        """Call every server concurrently; the first failure is raised once all returned, or,
+        without `wait_for_all`, as soon as it happens (the others' calls run on)."""
+        pool = ThreadPoolExecutor(len(self.servers))
+        try:
             running = [pool.submit(call, s, i) for i, s in enumerate(self.servers)]
-            for done in running:
+            for done in running if wait_for_all else as_completed(running):
                 done.result()
+        finally:
+            pool.shutdown(wait=wait_for_all)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every server joins the trainer's group; a server that refuses is raised at once.
         (The others wait inside the group's init for peers that will not come, and would
         hold their answers until it gives up: gloo's timeout, or never on NCCL.)"""
         offsets = [1 + sum(self.workers[:i]) for i in range(len(self.servers))]
-        pool = ThreadPoolExecutor(len(self.servers))
-        try:
-            joining = [
-                pool.submit(s.init_weight_transfer_engine, {**init_info, "rank_offset": offsets[i]})
-                for i, s in enumerate(self.servers)
-            ]
-            for done in as_completed(joining):
-                done.result()
-        finally:
-            pool.shutdown(wait=False)
+        self._on_every_server(
+            lambda s, i: s.init_weight_transfer_engine({**init_info, "rank_offset": offsets[i]}),
+            wait_for_all=False,
+        )
 
     def start_weight_update(self) -> None:
         self._on_every_server(lambda _, i: self.sessions[i].start_weight_update())
