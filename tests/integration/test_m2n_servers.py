@@ -17,9 +17,8 @@ import sys
 import pytest
 import torch
 
-from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
 from tests.support.servers import free_port, start_logged, stop, wait_until_healthy
-from tests.support.vllm import ENGINE_SHAPE
+from tests.support.vllm import vllm_job_config, write_vllm_job_files
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict, config_to_toml
 from titan_learner.job.grpo import run
@@ -47,24 +46,10 @@ def m2n_job(rank: int, source: str, tables: dict) -> list[dict]:
 
 
 def test_the_job_sends_its_shards_through_vllms_m2n_engine_and_the_server_serves_them(tmp_path):
-    (tmp_path / "user_reward.py").write_text(USER_REWARD)
-    write_gsm8k_jsonl(tmp_path / "train.jsonl")
-    write_gsm8k_jsonl(tmp_path / "test.jsonl")
-    overrides = make_model_dir(tmp_path / "model", shape=ENGINE_SHAPE)["overrides"]
+    model = write_vllm_job_files(tmp_path)
     url = f"http://127.0.0.1:{free_port()}"
-    tables = job_config(
-        tmp_path / "run",
-        {"name": "llama3", "overrides": overrides, "hf_checkpoint": str(tmp_path / "model")},
-        {"train_files": ["train.jsonl"], "eval_files": ["test.jsonl"]},
-        steps=3,
-        rollout={
-            "generator": "vllm",
-            "prompts_per_step": 4,
-            "group_size": 4,
-            "max_new_tokens": 6,
-            "vllm": {"servers": [url], "weight_transfer": "nccl_m2n"},
-        },
-        learner={"export_dtype": "float32"},
+    tables = vllm_job_config(
+        tmp_path, model, steps=3, vllm={"servers": [url], "weight_transfer": "nccl_m2n"}
     )
     config = config_from_dict(tables, str(tmp_path / "run.toml"))
     (tmp_path / "run.toml").write_text(config_to_toml(config))

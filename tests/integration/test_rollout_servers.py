@@ -22,9 +22,13 @@ import pytest
 import requests
 import torch
 
-from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
 from tests.support.servers import free_port, start_logged, stop, wait_until_healthy
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm, tamper_in_transit
+from tests.support.vllm import (
+    needs_vllm,
+    tamper_in_transit,
+    vllm_job_config,
+    write_vllm_job_files,
+)
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict, config_to_toml
 from titan_learner.job.grpo import run
@@ -57,36 +61,20 @@ GUARDED = [
 def tables(root: Path, servers: list[str], steps: int) -> dict:
     """The run's tables on the model directory the `servers` fixture made."""
     model = {"name": "llama3", "overrides": MODEL_OVERRIDES, "hf_checkpoint": str(root / "model")}
-    return job_config(
-        root / "run",
-        model,
-        {"train_files": ["train.jsonl"], "eval_files": ["test.jsonl"]},
-        steps=steps,
-        rollout={
-            "generator": "vllm",
-            "prompts_per_step": 4,
-            "group_size": 4,
-            "max_new_tokens": 6,
-            "vllm": {
-                "enforce_eager": True,
-                "kv_cache_memory_bytes": 64 << 20,
-                "servers": servers,
-                "server_timeout_s": 600,  # ours: `serve` leaves it out of vLLM's flags
-            },
-        },
-        learner={"export_dtype": "float32"},
-        parallelism={"dp_shard": 2},
-    )
+    vllm = {
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20,
+        "servers": servers,
+        "server_timeout_s": 600,  # ours: `serve` leaves it out of vLLM's flags
+    }
+    return vllm_job_config(root, model, steps=steps, vllm=vllm, parallelism={"dp_shard": 2})
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two `titan-learner serve` processes for one run's config, started together."""
     root = tmp_path_factory.mktemp("servers")
-    (root / "user_reward.py").write_text(USER_REWARD)
-    write_gsm8k_jsonl(root / "train.jsonl")
-    write_gsm8k_jsonl(root / "test.jsonl")
-    MODEL_OVERRIDES.update(make_model_dir(root / "model", shape=ENGINE_SHAPE)["overrides"])
+    MODEL_OVERRIDES.update(write_vllm_job_files(root)["overrides"])
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     config = config_from_dict(tables(root, urls, steps=3), str(root / "run.toml"))
     (root / "run.toml").write_text(config_to_toml(config))

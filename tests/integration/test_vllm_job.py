@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm
+from tests.support.vllm import needs_vllm, vllm_job_config, write_vllm_job_files
 from tests.support.worlds import run_world
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.grpo import run
@@ -26,25 +25,10 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 
 def vllm_job(rank: int, root: str) -> dict:
     root = Path(root)
-    (root / "user_reward.py").write_text(USER_REWARD)
     source = str(root / "run.toml")
-    model = make_model_dir(root / "model", shape=ENGINE_SHAPE)
-    write_gsm8k_jsonl(root / "train.jsonl")
-    write_gsm8k_jsonl(root / "test.jsonl")
-    tables = job_config(
-        root / "run",
-        model,
-        {"train_files": ["train.jsonl"], "eval_files": ["test.jsonl"]},
-        steps=3,
-        rollout={
-            "generator": "vllm",
-            "prompts_per_step": 4,
-            "group_size": 4,
-            "max_new_tokens": 6,
-        },  # no [rollout.vllm]: on CPU the job sizes the engine's memory itself
-        learner={"export_dtype": "float32"},
-        checkpoint={"interval": 2},
-    )
+    model = write_vllm_job_files(root)
+    # no [rollout.vllm]: on CPU the job sizes the engine's memory itself
+    tables = vllm_job_config(root, model, steps=3, checkpoint={"interval": 2})
     history = run(config_from_dict(tables, source))
     # what a crash during step 3's save leaves: step 2 the last committed (the last step of a
     # run is saved too, so only a crash leaves a step unsaved)

@@ -1,9 +1,11 @@
-"""What the tests against a real vLLM engine share: the skip where vllm is not installed, and a
-model shape the CPU engine takes (its attention refuses head_dim 16; 128 / 2 heads = 64)."""
+"""What the tests against a real vLLM engine share: the skip where vllm is not installed, a
+model shape the CPU engine takes (its attention refuses head_dim 16; 128 / 2 heads = 64), and
+the small GRPO job those tests run on vLLM (its files and its tables)."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,39 @@ needs_vllm = pytest.mark.skipif(
     "TITAN_LEARNER_VLLM=0 skips it)",
 )
 ENGINE_SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "hidden_dim": 256}
+
+
+def write_vllm_job_files(root: Path) -> dict:
+    """The small vLLM job's files under `root`: `user_reward.py`, GSM8K-style train.jsonl and
+    test.jsonl, and an engine-shaped model in `root/model`; the [model] table that loads it."""
+    from tests.support.hf_dirs import USER_REWARD, make_model_dir, write_gsm8k_jsonl
+
+    (root / "user_reward.py").write_text(USER_REWARD)
+    write_gsm8k_jsonl(root / "train.jsonl")
+    write_gsm8k_jsonl(root / "test.jsonl")
+    return make_model_dir(root / "model", shape=ENGINE_SHAPE)
+
+
+def vllm_job_config(
+    root: Path, model: dict, *, steps: int, vllm: dict | None = None, **sections
+) -> dict:
+    """The small vLLM job's tables (output in `root/run/out`): 4 prompts x 4 samples of 6
+    tokens a step, a float32 export (log-probs comparable to 1e-5); `vllm`: its [rollout.vllm]
+    (none: on CPU the job sizes the engine's memory itself); `sections` add or replace tables."""
+    from tests.support.hf_dirs import job_config
+
+    rollout = {"generator": "vllm", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6}
+    if vllm is not None:
+        rollout["vllm"] = vllm
+    return job_config(
+        root / "run",
+        model,
+        {"train_files": ["train.jsonl"], "eval_files": ["test.jsonl"]},
+        steps=steps,
+        rollout=rollout,
+        learner={"export_dtype": "float32"},
+        **sections,
+    )
 
 
 def tamper_in_transit(monkeypatch, trainer) -> None:
