@@ -59,7 +59,7 @@ def test_a_whole_round_announces_broadcasts_sends_the_manifest_and_finishes_the_
     from titan_learner.vllm.checked_round import send_checked
 
     client = RecordingClient()
-    send_checked(client, source_of(NAMED, 7), broadcast_declaring(len(NAMED)), is_sender=True)
+    send_checked(client, source_of(NAMED, 7), broadcast_declaring(len(NAMED)), True, channel="c")
     assert client.calls == ["start", "announce", "manifest", "finish v7"]
 
 
@@ -68,7 +68,9 @@ def test_a_source_that_disagrees_with_its_metadata_is_one_weights_error_and_no_f
 
     client = RecordingClient()
     with pytest.raises(WeightsError) as raised:
-        send_checked(client, source_of(NAMED, 7), broadcast_declaring(2), is_sender=True)
+        send_checked(
+            client, source_of(NAMED, 7), broadcast_declaring(2), is_sender=True, channel="c"
+        )
     assert str(raised.value) == (
         "WeightSource yielded more parameters than metadata() declared (2); first extra is 'v'."
     )
@@ -127,12 +129,12 @@ def test_a_round_one_server_of_two_refuses_ends_the_others_session_so_the_next_r
     group = ServerGroup([accepting, refusing])
     broadcast = broadcast_declaring(len(NAMED))
     with pytest.raises(WeightsError, match="refused export v7"):
-        send_checked(group, source_of(NAMED, 7), broadcast, is_sender=True)
+        send_checked(group, source_of(NAMED, 7), broadcast, is_sender=True, channel="c")
     assert accepting.calls == ["start", "announce", "manifest", "abandon"]
     assert refusing.calls == ["start", "announce", "manifest"]  # vLLM ended its session
     assert not accepting.active and not refusing.active
     refusing.refuse_manifest = False
-    send_checked(group, source_of(NAMED, 8), broadcast, is_sender=True)
+    send_checked(group, source_of(NAMED, 8), broadcast, is_sender=True, channel="c")
     assert [e.calls[-1] for e in (accepting, refusing)] == ["finish v8", "finish v8"]
 
 
@@ -143,7 +145,13 @@ def test_a_session_left_open_is_abandoned_and_the_round_runs_with_one_warning():
     fresh, stale = SessionKeepingEngine("a"), SessionKeepingEngine("b")
     stale.active = True  # a trainer stopped between its start and finish
     with pytest.warns(UserWarning) as said:
-        send_checked(ServerGroup([fresh, stale]), source_of(NAMED, 3), broadcast_declaring(3), True)
+        send_checked(
+            ServerGroup([fresh, stale]),
+            source_of(NAMED, 3),
+            broadcast_declaring(3),
+            True,
+            channel="c",
+        )
     assert [str(w.message) for w in said] == [
         "a weight-update session was left open (a trainer stopped between start and finish), "
         "abandoned: b: start_weight_update called while a weight update is already active"
@@ -165,5 +173,7 @@ def test_a_start_still_refused_after_abandoning_is_raised_and_no_session_stays_o
 
     up, down = SessionKeepingEngine("a"), Down("b")
     with pytest.raises(ConnectionError, match="b is unreachable"):
-        send_checked(ServerGroup([up, down]), source_of(NAMED, 4), broadcast_declaring(3), True)
+        send_checked(
+            ServerGroup([up, down]), source_of(NAMED, 4), broadcast_declaring(3), True, channel="c"
+        )
     assert up.calls == ["start", "abandon"] and not up.active

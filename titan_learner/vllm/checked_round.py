@@ -16,6 +16,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from titan_learner.dtypes import dtype_name
+from titan_learner.vllm.stuck_send import SendGuard
 from titan_learner.vllm.update_wire import ManifestedUpdateInfo
 from titan_learner.weights.matching import WeightsError
 
@@ -24,11 +25,15 @@ Broadcast = Callable[[WeightSource, list[ParamMeta]], str]
 ValueError where the source disagrees with its metadata (vLLM's `_checked_iter`)."""
 
 
-def send_checked(client: Any, source: WeightSource, broadcast: Broadcast, is_sender: bool) -> None:
+def send_checked(
+    client: Any, source: WeightSource, broadcast: Broadcast, is_sender: bool, *, channel: str
+) -> None:
     """One update of the source's export. Other trainer ranks only iterate the source, which
     keeps them in any collective it runs (an FSDP gather). `client`: vLLM's control calls
     with `abandon_weight_update` (`UpdateSession`, `ServerGroup`), which ends any session a
-    failed round leaves open, so the next update (or a restarted job) is not refused."""
+    failed round leaves open, so the next update (or a restarted job) is not refused.
+    `channel` names the broadcast ("gloo broadcast"): where the engines' side fails while it
+    still runs, `SendGuard` stops the job with their error rather than wait on it for good."""
     meta = source.metadata()
     if not is_sender:
         for _ in source:
@@ -48,13 +53,15 @@ def send_checked(client: Any, source: WeightSource, broadcast: Broadcast, is_sen
         raise
     executor = ThreadPoolExecutor(max_workers=1)
     try:
-        receiving = executor.submit(client.update_weights, asdict(announce))
-        if receiving.done():  # refused before the workers entered the broadcast
-            receiving.result()
-        try:
-            checksum = broadcast(source, meta)
-        except ValueError as err:  # the source disagreed with its metadata (vLLM's check)
-            raise WeightsError(str(err)) from None
+        with SendGuard(f"the trainer's {channel}") as guard:
+            receiving = executor.submit(client.update_weights, asdict(announce))
+            receiving.add_done_callback(guard.control_done)
+            if receiving.done():  # refused before the workers entered the broadcast
+                receiving.result()
+            try:
+                checksum = broadcast(source, meta)
+            except ValueError as err:  # the source disagreed with its metadata (vLLM's check)
+                raise WeightsError(str(err)) from None
         receiving.result()
     finally:
         # A failed broadcast leaves the workers waiting: their update raises when the data

@@ -106,7 +106,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def send_weights(self) -> None:
         assert self.source is not None
-        send_checked(self.client, self.source, self._broadcast, self.is_sender)
+        send_checked(
+            self.client, self.source, self._broadcast, self.is_sender, channel="gloo broadcast"
+        )
 
     def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> str:
         """Broadcast each tensor from rank 0, hashing what is sent; the xxh3 of it all. The

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from titan_learner.vllm.m2n_source import ShardSource
+from titan_learner.vllm.stuck_send import SendGuard
 
 
 def m2n_init_info(
@@ -65,11 +66,14 @@ def minted_unique_ids(count: int) -> list[str]:
 
 class VersionedFinish:
     """A server's control routes for vLLM's m2n trainer engine, whose `finish_weight_update`
-    names no version: this one names the version being sent, so the server reports it."""
+    names no version: this one names the version being sent, so the server reports it. Its
+    `update_weights` runs on vLLM's thread beside every rank's reshards; a failure is also
+    reported to `guard`, as those reshards cannot end without the server (`stuck_send`)."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
         self.version: int | None = None
+        self.guard: SendGuard | None = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.server.init_weight_transfer_engine(init_info)
@@ -78,7 +82,12 @@ class VersionedFinish:
         self.server.start_weight_update()
 
     def update_weights(self, update_info: Any) -> None:
-        self.server.update_weights(update_info)
+        try:
+            self.server.update_weights(update_info)
+        except BaseException as err:
+            if self.guard is not None:
+                self.guard.control_failed(err)
+            raise
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.server.finish_weight_update(str(self.version))
@@ -120,7 +129,8 @@ class M2NTransfer:
         """The source's shards to each server in turn (each send iterates them afresh)."""
         for client, engine in zip(self.clients, self.engines, strict=True):
             client.version = int(version)
-            engine.send_weights()
+            with SendGuard("the trainer's nccl_m2n reshard") as client.guard:
+                engine.send_weights()
 
     def close(self) -> None:
         for engine in self.engines:

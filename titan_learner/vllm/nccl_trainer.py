@@ -41,7 +41,9 @@ class CheckedNCCLTrainer(NCCLTrainerWeightTransferEngine):
             # The source holds the export, made on this stream; vLLM packs and hashes it on
             # streams of its own (packed_tensor), which do not wait for this one.
             torch.cuda.current_stream().synchronize()
-        send_checked(self.client, self.source, self._broadcast, self.is_sender)
+        send_checked(
+            self.client, self.source, self._broadcast, self.is_sender, channel="nccl broadcast"
+        )
         self._post_send_sync()
 
     def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> str:  # type: ignore[override]

@@ -17,6 +17,7 @@ from typing import Any
 
 from titan_learner.vllm.server_client import ServerClient, ServerError
 from titan_learner.vllm.update_session import UpdateSession
+from titan_learner.vllm.update_wire import is_announce
 
 
 class ServerGroup:
@@ -58,7 +59,14 @@ class ServerGroup:
         self._on_every_server(lambda _, i: self.sessions[i].start_weight_update())
 
     def update_weights(self, update_info: Any) -> None:
-        self._on_every_server(lambda _, i: self.sessions[i].update_weights(update_info))
+        """An announce runs beside the trainer's broadcast, where the other servers' workers
+        wait inside a collective that a failed server leaves unfinished (for good on NCCL):
+        its first failure is raised at once (`stuck_send`). A manifest or an abandon waits for
+        every server, so that what follows it (finish, abandon) comes after all of them."""
+        self._on_every_server(
+            lambda _, i: self.sessions[i].update_weights(update_info),
+            wait_for_all=not is_announce(update_info),
+        )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._on_every_server(lambda _, i: self.sessions[i].finish_weight_update(weight_version))

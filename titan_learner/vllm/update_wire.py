@@ -50,3 +50,9 @@ def abandoned_update() -> dict:
     return asdict(
         ManifestedUpdateInfo(version=-1, names=[], dtype_names=[], shapes=[], abandoned=True)
     )
+
+
+def is_announce(update_info: dict) -> bool:
+    """Whether this update announces tensors that follow on the data channel (rather than a
+    manifest or an abandon): the call that runs beside the trainer's broadcast."""
+    return update_info.get("checksum") is None and not update_info.get("abandoned", False)
