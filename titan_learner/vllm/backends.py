@@ -31,7 +31,8 @@ def resolve_weight_transfer(
 
     engine_on_gpu: the engine's workers run on CUDA devices. colocated: the engine shares the
     trainer process's GPU (an in-process `vllm.LLM` on the rank's own device). m2n_runtime:
-    whether `nccl.m2n` imports here (None: try it).
+    whether `nccl.m2n` imports here (None: try it, then check the NCCL it would run on,
+    `m2n_nccl`).
     """
     if requested not in WEIGHT_TRANSFERS:
         raise ValueError(
@@ -67,6 +68,10 @@ def resolve_weight_transfer(
             "weight_transfer 'nccl_m2n' needs NVIDIA's nccl-extensions (the nccl.m2n runtime, "
             "NCCL >= 2.30.5) and it does not import here; allowed: nccl, gloo (or auto)"
         )
+    if requested == "nccl_m2n" and m2n_runtime is None:
+        from titan_learner.vllm.m2n_nccl import check_m2n_nccl
+
+        check_m2n_nccl()  # one libnccl for vLLM and m2n, new enough
     return requested
 
 
