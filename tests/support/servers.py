@@ -2,17 +2,19 @@
 started in a session of its own with its output in a log, the wait until /health answers (a
 server that exits first is an error showing its log's tail), and the stop that kills what a
 server started (its engine processes too); `local_http`, an in-process HTTP server that
-answers as a test's handler says (a slow or refusing server)."""
+answers as a test's handler says (a slow or refusing server), and `control_routes`, a vLLM
+server's control routes as such a handler."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -87,3 +89,35 @@ def local_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def control_routes(
+    route: str, on_route: Callable[[], tuple[int, dict] | None], released: threading.Event
+) -> type[BaseHTTPRequestHandler]:
+    """A vLLM server's control routes, for `local_http`: one worker (every GET answers
+    {"world_size": 1}); POST `route` answers what `on_route()` returns, (status, body), or, for
+    None, holds its answer until `released` (its workers inside a collective); every other
+    POST answers 200."""
+
+    class Routes(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._answer(200, {"world_size": 1})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            answer = on_route() if self.path == route else (200, {})
+            if answer is None:
+                released.wait()
+                answer = (200, {})
+            self._answer(*answer)
+
+        def _answer(self, status: int, body: dict) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    return Routes

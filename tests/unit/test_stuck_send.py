@@ -10,19 +10,17 @@ and the stop itself, which ends a process.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.servers import local_http
+from tests.support.servers import control_routes, local_http
 from titan_learner.vllm.stuck_send import SendGuard, StuckSendError
 
 GRACE_S = 0.3
@@ -113,35 +111,6 @@ def test_the_stop_prints_the_one_error_line_and_ends_a_process_stuck_in_its_send
     )
 
 
-def update_routes(on_update, released: threading.Event) -> type[BaseHTTPRequestHandler]:
-    """A server's control routes: one worker; POST /update_weights answers what `on_update`
-    returns, (status, body), or, for None, holds its answer until `released` (its workers
-    inside the broadcast); every other POST answers 200."""
-
-    class Routes(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self._answer(200, {"world_size": 1})
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            answer = (200, {}) if self.path != "/update_weights" else on_update()
-            if answer is None:
-                released.wait()
-                answer = (200, {})
-            self._answer(*answer)
-
-        def _answer(self, status: int, body: dict) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(json.dumps(body).encode())
-
-        def log_message(self, *args) -> None:
-            pass
-
-    return Routes
-
-
 @pytest.fixture
 def stuck_sends(monkeypatch):
     """The guard's stop recorded, after GRACE_S; `.send_waits` is the send that never ends."""
@@ -155,6 +124,7 @@ def stuck_sends(monkeypatch):
     never.set()
 
 
+UPDATE = "/update_weights"
 REFUSAL = (500, {"error": "out of host memory for the update"})
 
 
@@ -186,8 +156,8 @@ def test_one_server_refusing_the_announce_stops_a_broadcast_the_other_server_wai
     source.fill([("w", torch.ones(2, 3)), ("b", torch.zeros(3))], version=5)
     released = threading.Event()
     with (
-        local_http(update_routes(lambda: None, released)) as waiting,
-        local_http(update_routes(refused_while_receiving, released)) as refusing,
+        local_http(control_routes(UPDATE, lambda: None, released)) as waiting,
+        local_http(control_routes(UPDATE, refused_while_receiving, released)) as refusing,
     ):
         try:
             servers = [ServerClient(url, token="t", timeout_s=60) for url in (waiting, refusing)]
@@ -218,7 +188,7 @@ def test_a_server_refusing_its_m2n_update_stops_the_reshards_vllm_runs_beside_it
     from titan_learner.vllm.m2n_trainer import M2NTransfer, VersionedFinish
     from titan_learner.vllm.server_client import ServerClient
 
-    with local_http(update_routes(lambda: REFUSAL, threading.Event())) as refusing:
+    with local_http(control_routes(UPDATE, lambda: REFUSAL, threading.Event())) as refusing:
         client = VersionedFinish(ServerClient(refusing, token="t", timeout_s=60))
         engine = object.__new__(M2NTrainerWeightTransferEngine)  # init would join NCCL
         engine.client, engine.is_controller, engine._metas = client, True, []
