@@ -2,6 +2,7 @@
 numbers and exiting non-zero when the check fails (never "skipped" with exit 0).
 
     python scripts/gpu_smoke.py env                 # CUDA and every import the smoke needs
+    python scripts/gpu_smoke.py nccl                # torch's libnccl as nccl_m2n's check reads it
     python scripts/gpu_smoke.py parity [--device D] # 3 GRPO updates on D against the CPU reference
     python scripts/gpu_smoke.py chunked [--device D] # chunked log-probs against dense, on D
     python scripts/gpu_smoke.py shared [--device D]  # shared prompts on D against the CPU's rows
@@ -60,6 +61,36 @@ def env() -> int:
         gpu=gpu,
         missing=missing,
         **versions,
+    )
+
+
+def nccl() -> int:
+    """The libnccl.so.2 this process holds, read as nccl_m2n's check reads it (its file, and
+    its version through ncclGetVersion), against torch's own account of its NCCL. Whether it
+    is new enough for m2n is reported, not required."""
+    import torch
+
+    from titan_learner.vllm.m2n_nccl import M2N_MIN_NCCL, loaded_nccl
+
+    expected = tuple(torch.cuda.nccl.version()[:3])
+    try:
+        path, version = loaded_nccl("libnccl.so.2")
+    except OSError as err:
+        return report("nccl", False, error=f"{type(err).__name__}: {err}", torch_nccl=expected)
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        pathfinder = load_nvidia_dynamic_lib("nccl").abs_path
+    except Exception as err:  # reported: cuda.pathfinder comes with nccl-extensions
+        pathfinder = f"{type(err).__name__}: {err}"
+    return report(
+        "nccl",
+        version == expected,
+        file=path,
+        version=version,
+        torch_nccl=expected,
+        pathfinder=pathfinder,
+        m2n_ready=version >= M2N_MIN_NCCL,
     )
 
 
@@ -279,7 +310,9 @@ def vllm_transfer(device: str, transfer: str, sleep_level: int = 0) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=["env", "parity", "chunked", "shared", "job", "vllm"])
+    parser.add_argument(
+        "check", choices=["env", "nccl", "parity", "chunked", "shared", "job", "vllm"]
+    )
     parser.add_argument("directory", nargs="?", default="outputs/gpu_smoke/toy")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=20)
@@ -295,6 +328,8 @@ def main() -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return report(args.check, False, error="no CUDA device")
+    if args.check == "nccl":
+        return nccl()
     if args.check == "job":
         return job(args.directory, args.device, args.steps, args.off_policy_steps)
     if args.check == "vllm":

@@ -13,6 +13,8 @@
 #   env      CUDA present, every import, versions (vLLM is reported, not required: no vLLM wheel
 #            fits the carry, so its GPU paths, NCCL sink refusal and engine placement, stay
 #            untested there)
+#   nccl     torch's libnccl.so.2 as nccl_m2n's NCCL check reads it (file, version) against
+#            torch.cuda.nccl.version(); whether it is new enough for m2n is reported
 #   parity   3 GRPO updates of one model on CUDA against the CPU reference (fp32, TF32 off)
 #   step     benchmarks/bench_step.py, a ~190M model in bf16 with flex attention and compile: the
 #            learner/bare-TorchTitan ratio
@@ -95,6 +97,7 @@ if ((${#failed[@]})); then
     echo "gpu_smoke: the environment is not usable; nothing else ran" >&2
     exit 1
 fi
+check nccl 30 "$PYTHON" scripts/gpu_smoke.py nccl
 check parity 60 "$PYTHON" scripts/gpu_smoke.py parity
 # Values are TOML (titan_learner.config.apply_overrides): strings keep their double quotes.
 check step 200 "$PYTHON" benchmarks/bench_step.py --config configs/debug.toml \
