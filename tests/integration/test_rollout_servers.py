@@ -219,9 +219,9 @@ def test_two_ranks_sample_one_version_ahead_on_the_servers(job):
     assert [served_version(url) for url in urls] == ["3", "3"], "rank 0 pushed to both"
 
 
-def rank_0_generator(root: Path, urls: list[str]):
-    """A ServerGenerator on the servers as trainer rank 0 builds it, and the float32 weights
-    of a one-process learner of the run."""
+def rank_0_generator(root: Path, urls: list[str], timeout_s: float = 600):
+    """A ServerGenerator on the servers as trainer rank 0 builds it (`timeout_s`: its
+    requests'), and the float32 weights of a one-process learner of the run."""
     from transformers import AutoTokenizer
 
     from tests.support.hf_dirs import eos_ids
@@ -241,6 +241,7 @@ def rank_0_generator(root: Path, urls: list[str]):
         dtype=torch.float32,
         sender=True,
         token=TOKEN,
+        timeout_s=timeout_s,
     )
     return generator, list(learner.get_weights(dtype=torch.float32).items())
 
@@ -307,6 +308,43 @@ def test_a_session_a_stopped_trainer_left_open_is_abandoned_and_the_update_goes_
     log = (root / "server1.log").read_text()
     assert "weight update refused, nothing was swapped: the trainer abandoned this update" in log
     generator.close()
+
+
+def engine_cores(server: subprocess.Popen) -> list:
+    """The engine-core processes a server started (vLLM titles them VLLM::EngineCore)."""
+    import psutil
+
+    children = psutil.Process(server.pid).children(recursive=True)
+    return [p for p in children if "EngineCore" in " ".join(p.cmdline())]
+
+
+def test_a_server_whose_engine_does_not_answer_is_one_line_when_the_job_connects(
+    servers, monkeypatch
+):
+    """An engine inside a call that never returns (here stopped by SIGSTOP; on GPUs, an update
+    whose trainer died inside an nccl broadcast) while its API process still answers /health:
+    the job names that server within ENGINE_ANSWER_S, instead of waiting server_timeout_s
+    behind it at its first update. Once the engine goes on, the server serves as before."""
+    from titan_learner.vllm import server_client
+
+    root, urls, processes = servers
+    monkeypatch.setattr(server_client, "ENGINE_ANSWER_S", 5.0)
+    cores = engine_cores(processes[0])
+    assert len(cores) == 1, [p.cmdline() for p in cores]
+    version = served_version(urls[0])
+    cores[0].suspend()
+    try:
+        assert requests.get(f"{urls[0]}/health", timeout=30).status_code == 200
+        with pytest.raises(server_client.ServerError) as raised:
+            rank_0_generator(root, urls, timeout_s=60)  # without the check: its init's
+    finally:
+        cores[0].resume()
+    assert str(raised.value) == (
+        f"rollout server {urls[0]} did not answer GET /weight_info within 5 s; its engine is "
+        "inside a call that has not returned, such as a weight update whose trainer died "
+        "inside an nccl broadcast (NCCL waits for good); restart that server"
+    )
+    assert served_version(urls[0]) == version
 
 
 KILLER = """

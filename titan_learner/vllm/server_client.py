@@ -16,6 +16,15 @@ from typing import Any
 DEFAULT_TIMEOUT_S = 3600.0
 """How long one request may wait for its answer ([rollout.vllm] server_timeout_s): a prompt's
 G long completions on a busy server take minutes, a large model's update too."""
+ENGINE_ANSWER_S = 60.0
+"""How long a server's engine may take to answer a read (its weight version) when a job
+connects: one that does not is inside a call that never returned. A weight update whose trainer
+died inside an nccl broadcast waits so for good, and each of the job's requests would wait out
+server_timeout_s behind it."""
+STUCK_ENGINE = (
+    "its engine is inside a call that has not returned, such as a weight update whose trainer "
+    "died inside an nccl broadcast (NCCL waits for good); restart that server"
+)
 CONNECT_RETRIES = 3
 """Tries for a call that is safe to repeat (reads, generation, pause and resume) when the
 server cannot be connected to; a server that stays down is then one ServerError."""
@@ -36,16 +45,28 @@ class ServerClient:
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {token}"}
 
-    def _call(self, method: str, route: str, *, retry: bool = True, **kwargs: Any) -> Any:
+    def _call(
+        self,
+        method: str,
+        route: str,
+        *,
+        retry: bool = True,
+        timeout_s: float | None = None,
+        timed_out: str = "allowed: a longer [rollout.vllm] server_timeout_s",
+        **kwargs: Any,
+    ) -> Any:
+        """`timeout_s`: this call's (default: the client's); `timed_out`: what its timeout
+        error says after the seconds."""
         import requests
 
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         for attempt in range(1, CONNECT_RETRIES + 1):
             try:
                 answer = requests.request(
                     method,
                     f"{self.url}/{route}",
                     headers=self._headers,
-                    timeout=self.timeout_s,
+                    timeout=timeout,
                     **kwargs,
                 )
                 break
@@ -60,7 +81,7 @@ class ServerClient:
             except requests.Timeout:
                 raise ServerError(
                     f"rollout server {self.url} did not answer {method} /{route} within "
-                    f"{self.timeout_s:g} s; allowed: a longer [rollout.vllm] server_timeout_s"
+                    f"{timeout:g} s; {timed_out}"
                 ) from None
             except requests.RequestException as err:
                 raise ServerError(
@@ -130,6 +151,11 @@ class ServerClient:
 
     def health(self) -> None:
         self._call("GET", "health")
+
+    def check_engine_answers(self) -> None:
+        """ServerError unless the engine answers a read within ENGINE_ANSWER_S (`/health` is
+        the API process's answer alone, given while the engine is stuck)."""
+        self._call("GET", "weight_info", timeout_s=ENGINE_ANSWER_S, timed_out=STUCK_ENGINE)
 
     def generate(
         self, token_ids: list[int], sampling: dict[str, Any]

@@ -82,6 +82,7 @@ class ServerGenerator:
         self.servers = [ServerClient(url, token=token, timeout_s=timeout_s) for url in urls]
         for server in self.servers:
             server.health()
+            server.check_engine_answers()  # before a call that would wait behind it
         self.group = ServerGroup(self.servers)
         self.weight_transfer = resolve_weight_transfer(
             weight_transfer, engine_on_gpu=torch.cuda.is_available(), colocated=False
