@@ -310,6 +310,50 @@ def test_a_session_a_stopped_trainer_left_open_is_abandoned_and_the_update_goes_
     generator.close()
 
 
+def dies_inside_the_broadcast(root: str, urls: list[str], overrides: dict) -> None:
+    """Trainer rank 0 of a push that dies (exit 9) once the broadcast's first tensor is out."""
+    from titan_learner.vllm import gloo_trainer
+    from titan_learner.weights.export import Checksum
+
+    class DiesAfterTheFirst(Checksum):
+        def update(self, name, tensor) -> None:
+            os._exit(9)
+
+    MODEL_OVERRIDES.update(overrides)  # a spawned process: the fixture's module state is not here
+    gloo_trainer.Checksum = DiesAfterTheFirst
+    generator, weights = rank_0_generator(Path(root), urls)
+    generator.load_weights(weights, version=29)
+
+
+def test_a_trainer_that_dies_inside_the_gloo_broadcast_leaves_servers_that_take_the_next(
+    job, recwarn
+):
+    """The workers' receive fails as the dead trainer's connection closes (gloo), which ends
+    their update session with their weights untouched: the next trainer, at once, updates
+    both servers, with no session to abandon and no server restart. (The dead trainer had
+    paused them: a job's first push, before any rollout, resumes them.)"""
+    import multiprocessing
+
+    from titan_learner.vllm.server_client import ServerClient
+
+    root, urls, _, _ = job
+    before = [served(url) for url in urls]
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=dies_inside_the_broadcast, args=(str(root), urls, MODEL_OVERRIDES)
+    )
+    trainer.start()
+    trainer.join(timeout=600)
+    assert trainer.exitcode == 9
+    generator, weights = rank_0_generator(root, urls)  # its engines answer within 60 s
+    for url in urls:
+        ServerClient(url, token=TOKEN).resume()
+    assert [served(url) for url in urls] == before
+    generator.load_weights(weights, version=30)
+    assert [served_version(url) for url in urls] == ["30", "30"]
+    assert not [w for w in recwarn if "session was left open" in str(w.message)]
+    generator.close()
+
+
 def engine_cores(server: subprocess.Popen) -> list:
     """The engine-core processes a server started (vLLM titles them VLLM::EngineCore)."""
     import psutil
