@@ -362,33 +362,41 @@ def engine_cores(server: subprocess.Popen) -> list:
     return [p for p in children if "EngineCore" in " ".join(p.cmdline())]
 
 
-def test_a_server_whose_engine_does_not_answer_is_one_line_when_the_job_connects(
+def test_servers_whose_engines_do_not_answer_are_one_line_when_the_job_connects(
     servers, monkeypatch
 ):
-    """An engine inside a call that never returns (here stopped by SIGSTOP; on GPUs, an update
-    whose trainer died inside an nccl broadcast) while its API process still answers /health:
-    the job names that server within ENGINE_ANSWER_S, instead of waiting server_timeout_s
-    behind it at its first update. Once the engine goes on, the server serves as before."""
+    """Engines inside a call that never returns (here stopped by SIGSTOP; on GPUs, an update
+    whose trainer died inside an nccl broadcast, which holds every server of it) while their
+    API processes still answer /health: the job names those servers within ENGINE_ANSWER_S,
+    all of them in one line, instead of waiting server_timeout_s behind them at its first
+    update. Once the engines go on, the servers serve as before."""
     from titan_learner.vllm import server_client
 
     root, urls, processes = servers
     monkeypatch.setattr(server_client, "ENGINE_ANSWER_S", 5.0)
-    cores = engine_cores(processes[0])
-    assert len(cores) == 1, [p.cmdline() for p in cores]
-    version = served_version(urls[0])
-    cores[0].suspend()
+    cores = [engine_cores(process) for process in processes]
+    assert [len(c) for c in cores] == [1, 1], [[p.cmdline() for p in c] for c in cores]
+    versions = [served_version(url) for url in urls]
+    said = []
     try:
-        assert requests.get(f"{urls[0]}/health", timeout=30).status_code == 200
-        with pytest.raises(server_client.ServerError) as raised:
-            rank_0_generator(root, urls, timeout_s=60)  # without the check: its init's
+        for stopped in (1, 2):  # server 0's engine, then both
+            cores[stopped - 1][0].suspend()
+            assert requests.get(f"{urls[0]}/health", timeout=30).status_code == 200
+            with pytest.raises(server_client.ServerError) as raised:
+                rank_0_generator(root, urls, timeout_s=60)  # without the check: its init's
+            said.append(str(raised.value))
     finally:
-        cores[0].resume()
-    assert str(raised.value) == (
+        for core in cores:
+            core[0].resume()
+    assert said == [
         f"rollout server {urls[0]} did not answer GET /weight_info within 5 s; its engine is "
         "inside a call that has not returned, such as a weight update whose trainer died "
-        "inside an nccl broadcast (NCCL waits for good); restart that server"
-    )
-    assert served_version(urls[0]) == version
+        "inside an nccl broadcast (NCCL waits for good); restart that server",
+        f"rollout servers {urls[0]}, {urls[1]} did not answer GET /weight_info within 5 s; "
+        "their engines are inside a call that has not returned, such as a weight update whose "
+        "trainer died inside an nccl broadcast (NCCL waits for good); restart those servers",
+    ]
+    assert [served_version(url) for url in urls] == versions
 
 
 KILLER = """

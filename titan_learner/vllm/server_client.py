@@ -22,8 +22,8 @@ connects: one that does not is inside a call that never returned. A weight updat
 died inside an nccl broadcast waits so for good, and each of the job's requests would wait out
 server_timeout_s behind it."""
 STUCK_ENGINE = (
-    "its engine is inside a call that has not returned, such as a weight update whose trainer "
-    "died inside an nccl broadcast (NCCL waits for good); restart that server"
+    "{its} inside a call that has not returned, such as a weight update whose trainer died "
+    "inside an nccl broadcast (NCCL waits for good); restart {that}"
 )
 CONNECT_RETRIES = 3
 """Tries for a call that is safe to repeat (reads, generation, pause and resume) when the
@@ -32,11 +32,12 @@ server cannot be connected to; a server that stays down is then one ServerError.
 
 class ServerError(RuntimeError):
     """A rollout server that is down, unreachable or refused a request (`status`: its HTTP
-    status, where it answered)."""
+    status, where it answered; `timed_out`: it did not answer in time)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, timed_out: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.timed_out = timed_out
 
 
 class ServerClient:
@@ -52,10 +53,10 @@ class ServerClient:
         *,
         retry: bool = True,
         timeout_s: float | None = None,
-        timed_out: str = "allowed: a longer [rollout.vllm] server_timeout_s",
+        after_timeout: str = "allowed: a longer [rollout.vllm] server_timeout_s",
         **kwargs: Any,
     ) -> Any:
-        """`timeout_s`: this call's (default: the client's); `timed_out`: what its timeout
+        """`timeout_s`: this call's (default: the client's); `after_timeout`: what its timeout
         error says after the seconds."""
         import requests
 
@@ -81,7 +82,8 @@ class ServerClient:
             except requests.Timeout:
                 raise ServerError(
                     f"rollout server {self.url} did not answer {method} /{route} within "
-                    f"{timeout:g} s; {timed_out}"
+                    f"{timeout:g} s; {after_timeout}",
+                    timed_out=True,
                 ) from None
             except requests.RequestException as err:
                 raise ServerError(
@@ -155,7 +157,8 @@ class ServerClient:
     def check_engine_answers(self) -> None:
         """ServerError unless the engine answers a read within ENGINE_ANSWER_S (`/health` is
         the API process's answer alone, given while the engine is stuck)."""
-        self._call("GET", "weight_info", timeout_s=ENGINE_ANSWER_S, timed_out=STUCK_ENGINE)
+        stuck = STUCK_ENGINE.format(its="its engine is", that="that server")
+        self._call("GET", "weight_info", timeout_s=ENGINE_ANSWER_S, after_timeout=stuck)
 
     def generate(
         self, token_ids: list[int], sampling: dict[str, Any]

@@ -82,8 +82,8 @@ class ServerGenerator:
         self.servers = [ServerClient(url, token=token, timeout_s=timeout_s) for url in urls]
         for server in self.servers:
             server.health()
-            server.check_engine_answers()  # before a call that would wait behind it
         self.group = ServerGroup(self.servers)
+        self.group.check_engines_answer()  # before a call that would wait behind one
         self.weight_transfer = resolve_weight_transfer(
             weight_transfer, engine_on_gpu=torch.cuda.is_available(), colocated=False
         )

@@ -28,6 +28,35 @@ class ServerGroup:
         self.sessions = [UpdateSession(server) for server in self.servers]
         self.workers = [server.workers() for server in self.servers]
 
+    def check_engines_answer(self) -> None:
+        """ServerError naming every server whose engine does not answer a read in time
+        (`ServerClient.check_engine_answers`), all asked at once: a server that died inside an
+        nccl broadcast leaves the broadcast's other servers stuck in it too."""
+        from titan_learner.vllm import server_client
+
+        def error(server: ServerClient) -> ServerError | None:
+            try:
+                server.check_engine_answers()
+            except ServerError as err:
+                return err
+            return None
+
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            errors = list(pool.map(error, self.servers))
+        failed = [err for err in errors if err is not None]
+        stuck = [
+            s.url for s, err in zip(self.servers, errors, strict=True) if err and err.timed_out
+        ]
+        if len(stuck) > 1 and len(stuck) == len(failed):
+            raise ServerError(
+                f"rollout servers {', '.join(stuck)} did not answer GET /weight_info within "
+                f"{server_client.ENGINE_ANSWER_S:g} s; "
+                + server_client.STUCK_ENGINE.format(its="their engines are", that="those servers"),
+                timed_out=True,
+            )
+        if failed:
+            raise failed[0]
+
     @property
     def total_workers(self) -> int:
         return sum(self.workers)
