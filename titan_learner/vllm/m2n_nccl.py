@@ -79,9 +79,10 @@ def check_m2n_nccl() -> None:
     try:
         m2n_file, m2n_version = loaded_nccl(load_nvidia_dynamic_lib("nccl").abs_path)
     except Exception as err:  # cuda.pathfinder's not-found errors, a library without NCCL's API
+        why = " ".join(str(err).split())  # pathfinder's message spans lines
         raise ValueError(
             f"weight_transfer 'nccl_m2n': nccl-extensions' m2n finds no usable libnccl here "
-            f"({type(err).__name__}: {' '.join(str(err).split())}); install NCCL >= {_named(M2N_MIN_NCCL)} (the "
+            f"({type(err).__name__}: {why}); install NCCL >= {_named(M2N_MIN_NCCL)} (the "
             f"nvidia-nccl wheel torch loads), or {OTHER_BACKENDS}"
         ) from None
     so = find_nccl_library()

@@ -40,6 +40,17 @@ class ServerError(RuntimeError):
         self.timed_out = timed_out
 
 
+def stuck_engines(urls: list[str]) -> ServerError:
+    """The error for several servers whose engines did not answer a read within
+    ENGINE_ANSWER_S (`ServerClient.check_engine_answers` names one)."""
+    return ServerError(
+        f"rollout servers {', '.join(urls)} did not answer GET /weight_info within "
+        f"{ENGINE_ANSWER_S:g} s; "
+        + STUCK_ENGINE.format(its="their engines are", that="those servers"),
+        timed_out=True,
+    )
+
+
 class ServerClient:
     def __init__(self, url: str, *, token: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url.rstrip("/")

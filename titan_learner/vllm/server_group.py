@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from titan_learner.vllm.server_client import ServerClient, ServerError
+from titan_learner.vllm.server_client import ServerClient, ServerError, stuck_engines
 from titan_learner.vllm.update_session import UpdateSession
 from titan_learner.vllm.update_wire import is_announce
 
@@ -32,7 +32,6 @@ class ServerGroup:
         """ServerError naming every server whose engine does not answer a read in time
         (`ServerClient.check_engine_answers`), all asked at once: a server that died inside an
         nccl broadcast leaves the broadcast's other servers stuck in it too."""
-        from titan_learner.vllm import server_client
 
         def error(server: ServerClient) -> ServerError | None:
             try:
@@ -48,12 +47,7 @@ class ServerGroup:
             s.url for s, err in zip(self.servers, errors, strict=True) if err and err.timed_out
         ]
         if len(stuck) > 1 and len(stuck) == len(failed):
-            raise ServerError(
-                f"rollout servers {', '.join(stuck)} did not answer GET /weight_info within "
-                f"{server_client.ENGINE_ANSWER_S:g} s; "
-                + server_client.STUCK_ENGINE.format(its="their engines are", that="those servers"),
-                timed_out=True,
-            )
+            raise stuck_engines(stuck)
         if failed:
             raise failed[0]
 

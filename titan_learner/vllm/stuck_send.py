@@ -29,8 +29,6 @@ from typing import Any
 GRACE_S = 30.0
 """How long a send may still run after the engines' side failed before it is taken as stuck:
 a send that can end (gloo, a dead peer) raises within a second."""
-
-
 EXIT_CODE = 2
 """As `train` exits for any user error (`cli.common.USER_ERROR`)."""
 
@@ -80,8 +78,9 @@ class SendGuard:
         self._ended.set()
 
     def control_done(self, future: Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            self.control_failed(future.exception())  # type: ignore[arg-type]
+        err = None if future.cancelled() else future.exception()
+        if err is not None:
+            self.control_failed(err)
 
     def control_failed(self, err: BaseException) -> None:
         """From the control call's thread: the send now has `grace_s` to end."""
