@@ -2,7 +2,8 @@
 
 One engine serves the whole module (it takes ~20-45 s to start on 2 cores). Its model is the
 toy vocabulary on a head_dim-64 Llama (the CPU attention refuses head_dim 16), in float32, so
-that the engine and the learner can be compared number for number. The learner pushes its
+that the engine and the learner can be compared number for number, built from scratch as the
+job builds one: the engine starts from the learner's config.json with vLLM's dummy weights. The learner pushes its
 weights into the engine through both ways the project offers (`GeneratorSink` ->
 `VLLMGenerator.load_weights`, the job's path, and `VLLMEngineSink`), both on vLLM's own RL
 weight-transfer API with our gloo backend (start, update, update with the manifest, finish),
@@ -69,13 +70,21 @@ def engine_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(engine_dir):
-    """A VLLMGenerator on `engine_dir` whose weight transfer is gloo, named: the learner's
-    tensors are on the CPU, and on a GPU machine "auto" would pick ipc (CUDA tensors only)."""
+def engine(tmp_path_factory):
+    """A VLLMGenerator started the way the job starts one for a model built from scratch (the
+    learner's config.json alone, vLLM's dummy weights: the first push must replace them), whose
+    weight transfer is gloo, named: the learner's tensors are on the CPU, and on a GPU machine
+    "auto" would pick ipc (CUDA tensors only)."""
+    from titan_learner.vllm.engine_model import engine_model
     from titan_learner.vllm.generator import VLLMGenerator
 
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        path, model_arguments = engine_model(learner_config())
+    assert model_arguments == {"load_format": "dummy"}
     generator = VLLMGenerator(
-        str(engine_dir),
+        path,
+        **model_arguments,
         eos_id=EOS_ID,
         pad_id=PAD_ID,
         dtype=F32,

@@ -22,18 +22,24 @@ from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from titan_learner.vllm.serve import server_command
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
+VLLM_TOY = [
+    'rollout.generator="vllm"',
+    'rollout.model_path="engine"',
+    "model.overrides.n_heads=2",  # head_dim 32: the narrowest vLLM's CPU attention takes
+    "model.overrides.n_kv_heads=2",
+]
 SERVERS = 'rollout.vllm.servers=["http://127.0.0.1:8001", "http://127.0.0.1:8002"]'
 WITH_TOKEN = {**os.environ, TOKEN_ENV: "s3cret"}
 
 
 def toy(*extra: str):
-    overrides = ['rollout.generator="vllm"', 'rollout.model_path="engine"', *extra]
+    overrides = [*VLLM_TOY, *extra]
     return load_config(str(TOY), overrides=overrides)
 
 
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "titan_learner", "serve", "--config", str(TOY)]
-    sets = ["--set", 'rollout.generator="vllm"', "--set", 'rollout.model_path="engine"']
+    sets = [flag for pair in VLLM_TOY for flag in ("--set", pair)]
     return subprocess.run(
         [*command, *sets, *args], capture_output=True, text=True, env=env, timeout=120
     )
@@ -58,8 +64,8 @@ def test_the_server_command_carries_what_the_job_needs(monkeypatch):
         "--max-num-seqs 64",
         # on CPU, a KV cache for this server's share of a step: 64 prompts over 2 servers x 16
         # completions = 512 rows, at most vLLM's 256 at once, each 24 positions in one block of
-        # 128, at 2 (K, V) x 2 layers x 4 KV heads x head_dim 16 x 4 bytes (fp32) a position
-        f"--kv-cache-memory-bytes {256 * 128 * 2 * 2 * 4 * 16 * 4}",
+        # 128, at 2 (K, V) x 2 layers x 2 KV heads x head_dim 32 x 4 bytes (fp32) a position
+        f"--kv-cache-memory-bytes {256 * 128 * 2 * 2 * 2 * 32 * 4}",
     ):
         assert expected in flags, expected
     assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "gloo"})

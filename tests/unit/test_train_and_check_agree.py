@@ -82,11 +82,12 @@ BAD = {
         ["rollout.prompts_per_step=3", "parallelism.dp_shard=2", "--world-size=2"],
         "[rollout] prompts_per_step: 3 prompts do not split over 2 data-parallel ranks",
     ),
-    "vllm without an engine model": (
-        ['rollout.generator="vllm"'],
-        "[rollout] model_path: the vllm generator needs an HF directory (config.json + "
-        "safetensors) to start its engines from; allowed: [rollout] model_path or [model] "
-        "hf_checkpoint",
+    "vllm weights from no directory": (
+        ['rollout.generator="vllm"', 'rollout.vllm.load_format="safetensors"'],
+        "[rollout.vllm] load_format: load_format = 'safetensors' reads weights from a model "
+        "directory, and this run has none (its model is built from [model] flavor); allowed: "
+        "leave load_format out (the engines start from vLLM's dummy weights, which the first "
+        "push replaces), or name a directory in [rollout] model_path or [model] hf_checkpoint",
     ),
     "vllm greedy groups": (
         ['rollout.generator="vllm"', 'rollout.model_path="engine"', "rollout.temperature=0.0"],

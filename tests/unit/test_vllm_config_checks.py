@@ -15,10 +15,14 @@ from titan_learner.config.toml import load_config
 from titan_learner.job.validate import validate
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
+HEADS = [
+    "model.overrides.n_heads=2",  # head_dim 32: the narrowest vLLM's CPU attention takes
+    "model.overrides.n_kv_heads=2",
+]
 
 
 def toy_with_vllm(model_path: Path, *extra: str):
-    overrides = ['rollout.generator="vllm"', f'rollout.model_path="{model_path}"', *extra]
+    overrides = ['rollout.generator="vllm"', f'rollout.model_path="{model_path}"', *HEADS, *extra]
     return load_config(str(TOY), overrides=overrides)
 
 
@@ -31,7 +35,7 @@ def same_shape(tmp_path_factory) -> Path:
     from titan_learner.model.spec import model_spec
 
     directory = tmp_path_factory.mktemp("toy_engine")
-    config = load_config(str(TOY))
+    config = load_config(str(TOY), overrides=HEADS)
     model = AutoModelForCausalLM.from_config(hf_config(model_spec(config.model, "sdpa")))
     model.save_pretrained(str(directory))
     return directory

@@ -251,7 +251,8 @@ class RolloutSection:
     """The reward lost at max_new_tokens (verl's `overlong_buffer.penalty_factor`)."""
     model_path: str | None = None
     """vllm only: the HF directory (config.json + safetensors) the engines start from; default:
-    [model] hf_checkpoint. Its parameter shapes must be the learner's; the learner's weights
+    [model] hf_checkpoint, else (a model built from scratch) the learner's config.json on
+    vLLM's dummy weights. Its parameter shapes must be the learner's; the learner's weights
     replace its own before the first rollout."""
     vllm: dict[str, Any] = field(default_factory=dict)
     """vllm only: the engines' table, [rollout.vllm]: our keys (weight_transfer, servers,

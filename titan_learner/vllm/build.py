@@ -10,16 +10,18 @@ from titan_learner.config.schema import Config
 
 def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dict):
     """Each rank's own in-process vLLM engine, on the rank's device."""
-    from titan_learner.config.derived import engine_model_path, longest_sequence
+    from titan_learner.config.derived import longest_sequence
     from titan_learner.model.hf_config import hf_config
     from titan_learner.vllm.checks import engine_rows
     from titan_learner.vllm.engine_memory import cpu_engine_defaults, job_engine_memory
+    from titan_learner.vllm.engine_model import engine_model
     from titan_learner.vllm.engine_sleep import default_sleep_level
     from titan_learner.vllm.generator import VLLMGenerator
     from titan_learner.vllm.serve import OWN_KEYS
 
+    model_path, model_arguments = engine_model(config)
     # the KV cache is sized for what the job asks, not for the model's longest context
-    engine = {"max_model_len": longest_sequence(config)} | {
+    engine = {"max_model_len": longest_sequence(config), **model_arguments} | {
         key: value for key, value in config.rollout.vllm.items() if key not in OWN_KEYS
     }
     if learner.device.type == "cpu":
@@ -27,7 +29,7 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         memory = job_engine_memory(config, hf_config(learner.spec), rows=rows)
         engine |= cpu_engine_defaults(engine, memory)
     return VLLMGenerator(
-        engine_model_path(config),
+        model_path,
         dtype=dtype,
         seed=config.run.seed,
         device=learner.device,

@@ -13,6 +13,7 @@ from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.model.hf_config import learner_hf_config
 from titan_learner.vllm.backends import WEIGHT_TRANSFERS
+from titan_learner.vllm.engine_model import DUMMY, check_cpu_head_dim
 from titan_learner.vllm.serve import OWN_KEYS
 
 RESERVED_ENGINE_KEYS = {
@@ -25,17 +26,20 @@ RESERVED_ENGINE_KEYS = {
 
 
 def check_vllm_structure(config: Config) -> None:
-    """What the file alone decides: an engine model directory (the servers have theirs), the
-    servers, the weight transfer, and vLLM's sampling limits."""
+    """What the file alone decides: the engines' weights, the servers, the weight transfer, and
+    vLLM's sampling limits."""
     from titan_learner.vllm.generator import check_vllm_sampling
 
     source = config.source
-    if engine_model_path(config) is None and not config.rollout.vllm.get("servers"):
-        raise ConfigError(
-            "the vllm generator needs an HF directory (config.json + safetensors) to start its "
-            "engines from; allowed: [rollout] model_path or [model] hf_checkpoint",
+    load_format = config.rollout.vllm.get("load_format", DUMMY)
+    if engine_model_path(config) is None and load_format != DUMMY:
+        raise ConfigError(  # a model built from scratch: the engines start from its config alone
+            f"load_format = {load_format!r} reads weights from a model directory, and this run "
+            "has none (its model is built from [model] flavor); allowed: leave load_format out "
+            "(the engines start from vLLM's dummy weights, which the first push replaces), or "
+            "name a directory in [rollout] model_path or [model] hf_checkpoint",
             source=source,
-            where="[rollout] model_path",
+            where="[rollout.vllm] load_format",
         )
     for where, completions, temperature in (
         ("[rollout] temperature", config.rollout.group_size, config.rollout.temperature),
@@ -180,6 +184,7 @@ def check_vllm_machine(
     machine_check(lambda: _check_server_token(config))
     if not config.rollout.vllm.get("servers"):
         machine_check(lambda: _check_cpu_engine_memory(config, world_size, data_parallel))
+        machine_check(lambda: check_cpu_head_dim(config))
 
 
 def _check_server_token(config: Config) -> None:

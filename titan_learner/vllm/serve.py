@@ -82,7 +82,8 @@ def server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The server's argv and the variables to add to its environment. Rollouts need no
     tokenizer (token ids in and out); `text_routes` (a judge's server) loads it."""
-    from titan_learner.config.derived import engine_model_path, longest_sequence
+    from titan_learner.config.derived import longest_sequence
+    from titan_learner.vllm.engine_model import check_cpu_head_dim, engine_model
 
     where = "[rollout.vllm] weight_transfer"
     try:
@@ -94,14 +95,7 @@ def server_command(
     except ValueError as err:
         raise ConfigError(str(err), source=config.source, where=where) from None
     token = server_token(config)
-    model = engine_model_path(config)
-    if model is None:
-        raise ConfigError(
-            "a server needs the HF directory the learner starts from; allowed: [rollout] "
-            "model_path or [model] hf_checkpoint",
-            source=config.source,
-            where="[rollout] model_path",
-        )
+    model, model_arguments = engine_model(config)
     argv = [
         python,
         "-m",
@@ -117,8 +111,11 @@ def server_command(
         "--enable-scale-out",  # token-in/token-out: /inference/v1/generate
         "--weight-transfer-config", json.dumps({"backend": engine_backend(backend)}),
     ]  # fmt: skip
-    engine = {k: v for k, v in config.rollout.vllm.items() if k != "max_model_len"}
+    engine = model_arguments | {
+        k: v for k, v in config.rollout.vllm.items() if k != "max_model_len"
+    }
     if not on_gpu:
+        check_cpu_head_dim(config)
         engine |= cpu_engine_defaults(engine, _server_memory(config))
     argv += engine_flags(engine)
     argv += ["--middleware", MIDDLEWARE]
