@@ -13,6 +13,8 @@ computes; a damaged or mismatched update must leave it serving what it served.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -148,6 +150,22 @@ def test_samples_groups_with_behaviour_log_probs_from_token_ids(learner, engine)
     again = sample(engine, seed=3)
     assert torch.equal(again.completion_tokens, rollout.completion_tokens), "seeded"
     assert not torch.equal(sample(engine, seed=4).completion_tokens[:G], rollout.completion_tokens)
+
+
+def test_the_engines_processes_sleep_once_they_are_idle(engine):
+    """On the CPU, vLLM's engine core and worker share the trainer's cores. vLLM 0.32 lets them
+    spin for a second after every message, which is when the trainer computes its update
+    (titan_learner.vllm.cpu_spin); once idle they must sleep instead."""
+    import psutil
+
+    if torch.cuda.is_available():
+        pytest.skip("GPU platforms keep vLLM's own wait (a spare core spins there)")
+    engine_processes = psutil.Process().children(recursive=True)
+    sample(engine, seed=3)
+    busy = {p.pid: sum(p.cpu_times()[:2]) for p in engine_processes}
+    time.sleep(1.0)
+    used = {p.pid: sum(p.cpu_times()[:2]) - busy[p.pid] for p in engine_processes}
+    assert sum(used.values()) < 0.2, f"CPU seconds used over 1 s of idle, by pid: {used}"
 
 
 def test_no_two_completions_share_a_seed(learner, engine):
