@@ -6,7 +6,8 @@ one of its processes (API server, engine core, workers) before it builds a worke
 started with `weight_transfer_config={"backend": "gloo"}` finds the backend without any code of
 ours on its command line. The trainer calls it too before it asks the trainer factory. vLLM may
 load plugins more than once in a process: registering is idempotent. It also makes a refused
-weight update one line in that process's log (`refusals`), and, on a CPU platform, keeps vLLM's
+weight update one line in that process's log (`refusals`), drops the warning vLLM's reload logs
+for the rotary embedding on every update (`reload_log`), and, on a CPU platform, keeps vLLM's
 processes from spinning a core the trainer needs while they wait (`cpu_spin`).
 """
 
@@ -24,8 +25,10 @@ def register() -> None:
 
     from titan_learner.vllm.cpu_spin import cap_busy_wait
     from titan_learner.vllm.refusals import quiet_refusals
+    from titan_learner.vllm.reload_log import quiet_rotary_reload
 
     quiet_refusals()
+    quiet_rotary_reload()
     cap_busy_wait()
 
     if GLOO not in WeightTransferEngineFactory._registry:
