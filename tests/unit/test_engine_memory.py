@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, Qwen3Config
 
 from tests.support.hf_dirs import USER_REWARD, job_config, make_model_dir, write_gsm8k_jsonl
+from tests.support.vllm import ENGINE_SHAPE
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.validate import validate
@@ -61,7 +62,7 @@ def vllm_job(tmp_path_factory):
     [rollout.vllm] section; `with_engine(**keys)` adds engine keys."""
     root = tmp_path_factory.mktemp("job")
     (root / "user_reward.py").write_text(USER_REWARD)
-    model = make_model_dir(root / "model")
+    model = make_model_dir(root / "model", shape=ENGINE_SHAPE)  # a head width vLLM's CPU takes
     write_gsm8k_jsonl(root / "train.jsonl")
     data = {"train_files": ["train.jsonl"]}
     rollout = {"generator": "vllm", "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 6}
