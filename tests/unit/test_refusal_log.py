@@ -4,26 +4,22 @@ traceback."""
 
 from __future__ import annotations
 
-import io
 import logging
 
+from tests.support.logs import written_through
 from titan_learner.vllm.refusals import REFUSED, OneLineRefusal
 
 REFUSAL = f"{REFUSED}refused export v11: checksum mismatch (bucket 0)"
 
 
 def logged(error: BaseException, message: str) -> str:
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.addFilter(OneLineRefusal())
-    logger = logging.getLogger(f"test-refusals-{id(stream)}")
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
-        raise error
-    except BaseException:
-        logger.exception(message, "update_weights")
-    return stream.getvalue()
+    def emit(logger: logging.Logger) -> None:
+        try:
+            raise error
+        except BaseException:
+            logger.exception(message, "update_weights")
+
+    return written_through(OneLineRefusal(), emit)
 
 
 def test_each_process_logs_the_refusal_in_one_line():

@@ -4,22 +4,15 @@ is kept (the servers' own logs: tests/integration/test_toy_servers.py)."""
 
 from __future__ import annotations
 
-import io
-import logging
-
+from tests.support.logs import written_through
 from titan_learner.vllm.reload_log import NoRotaryReloadWarning
 
 
 def logged(layer: str) -> str:
     """What a handler with the filter writes for vLLM's warning (`reload.layerwise`'s call)."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.addFilter(NoRotaryReloadWarning())
-    logger = logging.getLogger(f"test-reload-log-{id(stream)}")
-    logger.addHandler(handler)
-    logger.propagate = False
-    logger.warning("%s: Failed to load weights", layer)
-    return stream.getvalue()
+    return written_through(
+        NoRotaryReloadWarning(), lambda logger: logger.warning("%s: Failed to load weights", layer)
+    )
 
 
 def test_the_rotary_embeddings_warning_is_dropped_and_any_other_layers_kept():
