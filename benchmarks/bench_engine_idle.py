@@ -7,8 +7,9 @@ worker spin for a second after every message (titan_learner.vllm.cpu_spin), and 
 trains right after its rollout. This script starts a `titan-learner serve` of the config in its
 own session, as a user starts one in another shell (Linux then shares the CPU between the two
 sessions, not between their threads), on a free loopback port, then, in this process, builds
-the learner, pushes its weights to the server and, each repeat, samples one step's rollout on
-the server and takes one update on it twice (the same work; the weights move on):
+the learner, pushes its weights to the server and, each repeat, samples one step's rollout of
+the config's own prompts (its train files, through its tokenizer) on the server and takes one
+update on it twice (the same work; the weights move on):
   after   at once, as the job does
   idle    after --idle-s seconds with nothing sent to the server (the baseline)
 Prints the median of each and after / idle: ~1 where the server sleeps as soon as it is idle.
@@ -36,17 +37,7 @@ from titan_learner.learner.local import LocalLearner
 from titan_learner.weights.sinks import GeneratorSink, push_weights
 
 BUCKET = 64 << 20
-PAD_ID, BOS_ID, SEP_ID, EOS_ID = 10, 11, 12, 13
-"""The toy tokenizer's special ids (configs/toy/tokenizer): the prompts are its digit strings."""
 START_TIMEOUT_S = 600
-
-
-def toy_prompts(n: int, generator: torch.Generator) -> list[list[int]]:
-    """n prompts `<bos> d1..dk <sep>`, k in 4..6, as the embedded default's files hold."""
-    lengths = torch.randint(4, 7, (n,), generator=generator).tolist()
-    return [
-        [BOS_ID, *torch.randint(0, 10, (k,), generator=generator).tolist(), SEP_ID] for k in lengths
-    ]
 
 
 def start_server(args: argparse.Namespace, port: int, token: str, log: Path) -> subprocess.Popen:
@@ -74,15 +65,17 @@ def start_server(args: argparse.Namespace, port: int, token: str, log: Path) -> 
     raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S} s")
 
 
-def timed_updates(learner, generator, config, args) -> dict[str, list[float]]:
+def timed_updates(learner, generator, prompts, config, args) -> dict[str, list[float]]:
+    """`prompts`: token ids, one step's worth after another, cycled."""
     from titan_learner.job.advantage import group_advantages
 
     rollout_cfg = config.rollout
+    per_step = rollout_cfg.prompts_per_step
     seconds: dict[str, list[float]] = {"after": [], "idle": []}
     for repeat in range(args.repeats + 1):  # the first is a warm-up
         seeds = torch.Generator().manual_seed(repeat)
         rollout = generator.generate(
-            toy_prompts(rollout_cfg.prompts_per_step, seeds),
+            [prompts[(repeat * per_step + i) % len(prompts)] for i in range(per_step)],
             rollout_cfg.group_size,
             rollout_cfg.max_new_tokens,
             rollout_cfg.temperature,
@@ -109,8 +102,13 @@ def main() -> None:
     args = parser.parse_args()
     config = config_from_arguments(args)
 
+    from titan_learner.data.loader import load_prompts
+    from titan_learner.data.tokenizer import load_tokenizer
     from titan_learner.model.hf_config import hf_config
     from titan_learner.vllm.server_generator import ServerGenerator
+
+    tokenizer = load_tokenizer(config)
+    prompts = [p.ids for p in load_prompts(config, tokenizer, config.data.train_files).prompts]
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -123,14 +121,14 @@ def main() -> None:
             generator = ServerGenerator(
                 [f"http://127.0.0.1:{port}"],
                 hf_config(learner.spec),
-                eos_id=EOS_ID,
-                pad_id=PAD_ID,
+                eos_id=tokenizer.eos_ids,
+                pad_id=tokenizer.pad_id,
                 dtype=torch.float32,
                 sender=True,
                 token=token,
             )
             push_weights(learner, GeneratorSink(generator), BUCKET, dtype=torch.float32)
-            seconds = timed_updates(learner, generator, config, args)
+            seconds = timed_updates(learner, generator, prompts, config, args)
         finally:
             server.terminate()
             server.wait(60)
