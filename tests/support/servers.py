@@ -1,7 +1,8 @@
 """Server processes for tests (vLLM's and `titan-learner serve`): a free loopback port, a server
 started in a session of its own with its output in a log, the wait until /health answers (a
 server that exits first is an error showing its log's tail), and the stop that kills what a
-server started (its engine processes too); `local_http`, an in-process HTTP server that
+server started (its engine processes too); `off_loopback_address`, for a peer "elsewhere";
+`local_http`, an in-process HTTP server that
 answers as a test's handler says (a slow or refusing server), and `control_routes`, a vLLM
 server's control routes as such a handler."""
 
@@ -26,6 +27,18 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def off_loopback_address() -> str | None:
+    """This machine's source address toward TEST-NET-1 (RFC 5737; a UDP connect sends
+    nothing): its address on its default route, or None where it has none off loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        own = probe.getsockname()[0]
+    return None if own.startswith("127.") else own
 
 
 def start_logged(

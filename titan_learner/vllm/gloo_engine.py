@@ -16,6 +16,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from titan_learner.vllm.checked_worker import CheckedUpdates, Named
+from titan_learner.vllm.gloo_group import bound_group, route_address
 from titan_learner.vllm.gloo_wire import GlooInitInfo
 from titan_learner.vllm.update_wire import ManifestedUpdateInfo
 
@@ -31,10 +32,11 @@ def join_group(
     address: str, port: int, secret: str, rank: int, world_size: int, timeout_s: float
 ) -> dist.ProcessGroupGloo:
     """A gloo group over the trainer's TCPStore under the rendezvous secret, apart from any
-    default process group."""
+    default process group, on this machine's address toward the trainer (`gloo_group`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(secret, store), rank, world_size, timeout)
+    own = route_address(address, port)
+    return bound_group(dist.PrefixStore(secret, store), rank, world_size, timeout, own)
 
 
 class GlooWeightTransferEngine(

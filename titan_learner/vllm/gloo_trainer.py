@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from titan_learner.vllm.checked_round import send_checked
+from titan_learner.vllm.gloo_group import bound_group
 from titan_learner.vllm.gloo_wire import DEFAULT_TIMEOUT_S, GlooInitInfo
 from titan_learner.weights.export import Checksum
 from titan_learner.weights.matching import WeightsError
@@ -64,7 +65,9 @@ def open_group(init_info: GlooTrainerInitInfo, client: VLLMWeightSyncClient) -> 
 
     def build() -> None:  # blocks until every worker has joined
         try:
-            built["group"] = dist.ProcessGroupGloo(group_store, 0, init_info.world_size, timeout)
+            built["group"] = bound_group(
+                group_store, 0, init_info.world_size, timeout, init_info.master_address
+            )
         except BaseException as err:
             built["error"] = err
 

@@ -9,12 +9,12 @@ calls (a `vllm.LLM` does), and sends one export per `send(named, version)`.
 
 from __future__ import annotations
 
-import socket
 import urllib.parse
 from typing import Any
 
 import torch
 
+from titan_learner.vllm.gloo_group import route_address
 from titan_learner.vllm.ipc_trainer import local_ipc_trainer
 from titan_learner.vllm.nccl_rendezvous import secret_nccl_trainer
 from titan_learner.vllm.plugin import register
@@ -27,12 +27,7 @@ def address_toward(url: str) -> str:
     trainer's rendezvous for a weight broadcast (127.0.0.1 for a server on this machine). A
     UDP socket's connect picks the route and sends nothing."""
     parts = urllib.parse.urlsplit(url)
-    family, _, _, _, where = socket.getaddrinfo(
-        parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM
-    )[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(where)
-        return probe.getsockname()[0]
+    return route_address(parts.hostname or "localhost", parts.port or 80)
 
 
 def trainer_init_info(backend: str, workers: int, address: str = "127.0.0.1") -> Any:
