@@ -151,6 +151,19 @@ def test_dry_run_prints_a_command_a_shell_runs_as_is():
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
 
 
+def test_a_server_the_job_would_refuse_does_not_start():
+    """`serve` checks the run's [rollout.vllm] as `train` does: a max_model_len under the run's
+    longest sequence would start a server that cuts completions short in silence."""
+    done = serve("--set", "rollout.vllm.max_model_len=16", "--dry-run", env=WITH_TOKEN)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"error: {TOY}: [rollout.vllm] max_model_len: 16 is shorter than this run's longest "
+        "sequence, 24 tokens (a prompt and its completion, or a whole episode), and vLLM would "
+        "end completions there without an error; allowed: an integer >= 24, or leave it out "
+        "(24)\n"
+    )
+
+
 def test_text_routes_keep_the_tokenizer_and_nothing_else_changes():
     """A judge's server (`--text-routes`): vLLM loads the tokenizer, so /v1/chat/completions
     answers (tests/integration/test_judge_on_titan_serve.py); the rest is a rollout server's."""

@@ -15,6 +15,7 @@ from titan_learner.config.toml import load_config
 from titan_learner.job.validate import validate
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"
+SERVERS = TOY.with_name("toy_grpo_servers.toml")
 HEADS = [
     "model.overrides.n_heads=2",  # head_dim 32: the narrowest vLLM's CPU attention takes
     "model.overrides.n_kv_heads=2",
@@ -24,6 +25,10 @@ HEADS = [
 def toy_with_vllm(model_path: Path, *extra: str):
     overrides = ['rollout.generator="vllm"', f'rollout.model_path="{model_path}"', *HEADS, *extra]
     return load_config(str(TOY), overrides=overrides)
+
+
+def toy_with_servers(*overrides: str):
+    return load_config(str(SERVERS), overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +144,34 @@ def test_the_default_sleep_level_sleeps_only_an_engine_on_the_learners_gpu_in_tu
     assert default_sleep_level(colocated_on_gpu=True, off_policy_steps=0) == 1
     assert default_sleep_level(colocated_on_gpu=True, off_policy_steps=1) == 0
     assert default_sleep_level(colocated_on_gpu=False, off_policy_steps=0) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (
+            "23",
+            "23 is shorter than this run's longest sequence, 24 tokens (a prompt and its "
+            "completion, or a whole episode), and vLLM would end completions there without an "
+            "error",
+        ),
+        ('"long"', "'long' is not a number of tokens"),
+        ("true", "True is not a number of tokens"),
+    ],
+)
+def test_a_max_model_len_that_would_cut_completions_short_is_one_line(value, problem):
+    """vLLM caps a completion at max_model_len with finish_reason "length" and no error
+    (tests/integration/test_rollout_servers.py shows a server doing it)."""
+    servers = toy_with_servers(f"rollout.vllm.max_model_len={value}")
+    with pytest.raises(ConfigError) as info:
+        validate(servers, world_size=1, on_this_machine=False)
+    assert str(info.value) == (
+        f"{SERVERS}: [rollout.vllm] max_model_len: {problem}; allowed: an integer >= 24, or "
+        "leave it out (24)"
+    )
+    for enough in (24, 64):  # 16 prompt tokens + 8 new ones; longer is room to spare
+        validate(
+            toy_with_servers(f"rollout.vllm.max_model_len={enough}"),
+            world_size=1,
+            on_this_machine=False,
+        )

@@ -39,10 +39,12 @@ def serve(args: argparse.Namespace) -> int:
     from titan_learner.cli.common import user_error
     from titan_learner.config.errors import ConfigError
     from titan_learner.config.toml import load_config
+    from titan_learner.vllm.checks import check_vllm_structure
     from titan_learner.vllm.serve import server_command
 
     try:
         config = load_config(args.config, args.overrides)
+        check_vllm_structure(config)  # what the job would refuse, before a server starts
         on_gpu = args.gpus is not None or _sees_a_gpu()
         argv, env = server_command(
             config,

@@ -71,7 +71,8 @@ PASS_THROUGH = (
     "Every other key is a keyword argument of `vllm.LLM` (gpu_memory_utilization, "
     "enforce_eager, ...), given as written. Set by the job, not here: model ([rollout] "
     "model_path), dtype ([learner] export_dtype), seed ([run] seed). Defaults: max_model_len = "
-    "[data] max_prompt_tokens + the longest max_new_tokens, gpu_memory_utilization 0.5 on a GPU, and on CPU "
+    "[data] max_prompt_tokens + the longest max_new_tokens (a whole episode with [env]; a "
+    "smaller value is refused: vLLM would cut completions short), gpu_memory_utilization 0.5 on a GPU, and on CPU "
     "kv_cache_memory_bytes sized for the job's rows unless either sizing key is set."
 )
 """The reference's one row for the keys that pass through to vLLM."""

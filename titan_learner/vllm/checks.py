@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from math import inf
 
-from titan_learner.config.derived import engine_model_path
+from titan_learner.config.derived import engine_model_path, longest_sequence
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.model.hf_config import learner_hf_config
@@ -67,6 +67,7 @@ def check_vllm_structure(config: Config) -> None:
     _check_servers(config)
     _check_server_timeout(config)
     _check_sleep_level(config)
+    _check_max_model_len(config)
     for key, owner in RESERVED_ENGINE_KEYS.items():
         if key in config.rollout.vllm:
             raise ConfigError(
@@ -119,6 +120,31 @@ def _check_server_timeout(config: Config) -> None:
             source=config.source,
             where=where,
         )
+
+
+def _check_max_model_len(config: Config) -> None:
+    """vLLM ends a completion at max_model_len tokens without an error (finish_reason
+    "length"), so a value under the run's longest sequence would cut completions short in
+    silence; the engines and `serve` take the longest sequence when it is left out."""
+    longest = config.rollout.vllm.get("max_model_len")
+    if longest is None:
+        return
+    need = longest_sequence(config)
+    if isinstance(longest, bool) or not isinstance(longest, int):
+        problem = f"{longest!r} is not a number of tokens"
+    elif longest < need:
+        problem = (
+            f"{longest} is shorter than this run's longest sequence, {need} tokens (a prompt "
+            "and its completion, or a whole episode), and vLLM would end completions there "
+            "without an error"
+        )
+    else:
+        return
+    raise ConfigError(
+        f"{problem}; allowed: an integer >= {need}, or leave it out ({need})",
+        source=config.source,
+        where="[rollout.vllm] max_model_len",
+    )
 
 
 def _check_sleep_level(config: Config) -> None:
