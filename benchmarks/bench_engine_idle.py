@@ -102,6 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     config = config_from_arguments(args)
 
+    from titan_learner.config.derived import longest_sequence
     from titan_learner.data.loader import load_prompts
     from titan_learner.data.tokenizer import load_tokenizer
     from titan_learner.model.hf_config import hf_config
@@ -124,6 +125,7 @@ def main() -> None:
                 eos_id=tokenizer.eos_ids,
                 pad_id=tokenizer.pad_id,
                 dtype=torch.float32,
+                sequence_len=longest_sequence(config),
                 sender=True,
                 token=token,
             )

@@ -91,12 +91,20 @@ class ControlCallTimes:
 
 def server_generator(config, url: str, spec):
     """The server's generator, with the token the server was started with (the run's)."""
+    from titan_learner.config.derived import longest_sequence
     from titan_learner.vllm.serve import server_token
     from titan_learner.vllm.server_generator import ServerGenerator
 
     token = server_token(config)
     return ServerGenerator(
-        [url], spec, eos_id=0, pad_id=0, dtype=torch.float32, sender=True, token=token
+        [url],
+        spec,
+        eos_id=0,
+        pad_id=0,
+        dtype=torch.float32,
+        sequence_len=longest_sequence(config),
+        sender=True,
+        token=token,
     )
 
 

@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 
 TOKEN = "test-token-not-a-secret"
 MODEL_OVERRIDES: dict = {}  # the engine-shaped model's, set by the servers fixture
+SERVED_LEN = 1024 + 2 * 6  # max_model_len: the multi-turn test's episodes (prompt, 2 turns)
 SERVE = [sys.executable, "-m", "titan_learner", "serve"]
 GUARDED = [
     ("POST", "pause"),
@@ -66,6 +67,7 @@ def tables(root: Path, servers: list[str], steps: int) -> dict:
         "kv_cache_memory_bytes": 64 << 20,
         "servers": servers,
         "server_timeout_s": 600,  # ours: `serve` leaves it out of vLLM's flags
+        "max_model_len": SERVED_LEN,
     }
     return vllm_job_config(root, model, steps=steps, vllm=vllm, parallelism={"dp_shard": 2})
 
@@ -133,27 +135,73 @@ def test_every_route_but_health_needs_the_token(servers):
         assert served(url) == before, "the refused weight routes changed nothing"
 
 
-def test_a_server_on_another_weight_transfer_backend_is_one_line_before_any_transfer(servers):
-    """What each server reports of itself (vLLM's /server_info, behind the token) decides: the
-    job's backend must be the server's (nccl_m2n's trainer would otherwise wait in NCCL for
-    workers that never join); its tensor-parallel size lays out nccl_m2n's reshard."""
+def test_a_server_that_runs_otherwise_than_the_job_needs_is_one_line_before_any_transfer(
+    servers,
+):
+    """What each server reports of itself (vLLM's /server_info, behind the token) decides,
+    against the run it was started for: the backend (nccl_m2n's trainer would otherwise wait
+    in NCCL for workers that never join), the longest sequence (vLLM ends a completion at
+    max_model_len without an error), the dtype, raw log-probs; its tensor-parallel size lays
+    out nccl_m2n's reshard."""
+    from titan_learner.config.derived import longest_sequence
+    from titan_learner.vllm.served_config import check_served
     from titan_learner.vllm.server_client import ServerClient, ServerError
-    from titan_learner.vllm.server_generator import check_served_backend
 
-    _, urls, _ = servers
+    root, urls, _ = servers
+    need = longest_sequence(config_from_dict(tables(root, urls, steps=3), "run"))
+    assert need < SERVED_LEN
+    job = {"transfer": "gloo", "dtype": torch.float32, "sequence_len": need}
+    restart = "restart it with this run's config (titan-learner serve --config ...)"
+
+    def refusal(url: str, served: dict, **differs) -> str:
+        with pytest.raises(ServerError) as info:
+            check_served(url, served, **(job | differs))
+        return str(info.value)
+
     for url in urls:
         config = ServerClient(url, token=TOKEN).served_config()
         assert config["weight_transfer_config"]["backend"] == "gloo"
         assert config["parallel_config"]["tensor_parallel_size"] == 1
-        check_served_backend(url, config, "gloo")
-        with pytest.raises(ServerError) as info:
-            check_served_backend(url, config, "nccl")
-        assert str(info.value) == (
+        assert config["model_config"]["max_model_len"] == SERVED_LEN
+        check_served(url, config, **job)
+        check_served(url, config, **(job | {"sequence_len": SERVED_LEN}))
+        assert refusal(url, config, transfer="nccl") == (
             f"rollout server {url} runs weight-transfer backend 'gloo' and this run sends with "
-            "'nccl' (backend 'nccl_checked'); allowed: restart it with this run's config "
-            "(titan-learner serve --config ...), or the same [rollout.vllm] weight_transfer in "
-            "both"
+            f"'nccl' (backend 'nccl_checked'); allowed: {restart}, or the same [rollout.vllm] "
+            "weight_transfer in both"
         )
+        assert refusal(url, config, sequence_len=SERVED_LEN + 1) == (
+            f"rollout server {url} takes sequences of at most {SERVED_LEN} tokens "
+            f"(max_model_len) and this run's take up to {SERVED_LEN + 1}: vLLM would end its "
+            f"completions at {SERVED_LEN} tokens without an error; allowed: {restart}"
+        )
+        assert refusal(url, config, dtype=torch.bfloat16) == (
+            f"rollout server {url} runs in float32 and this run exports bfloat16 ([learner] "
+            f"export_dtype); allowed: {restart}, or the same export_dtype in both"
+        )
+        processed = config | {
+            "model_config": config["model_config"] | {"logprobs_mode": "processed_logprobs"}
+        }  # what `vllm serve --logprobs-mode processed_logprobs` reports
+        assert refusal(url, processed) == (
+            f"rollout server {url} returns processed_logprobs and the job weighs its samples "
+            "by raw_logprobs (the model's own, as the learner computes them); allowed: "
+            f"{restart}, which sets --logprobs-mode raw_logprobs"
+        )
+
+
+def test_a_generator_for_longer_sequences_than_the_servers_take_is_refused_before_any_transfer(
+    servers,
+):
+    """The job's generator asks the servers before its first push: sequences a server would
+    cut short are the run's error, not completions ended early in silence (the same server
+    samples what the run asks once the lengths agree)."""
+    from titan_learner.vllm.server_client import ServerError
+
+    root, urls, _ = servers
+    before = [served(url) for url in urls]
+    with pytest.raises(ServerError, match=r"takes sequences of at most \d+ tokens"):
+        rank_0_generator(root, urls, sequence_len=SERVED_LEN + 1)
+    assert [served(url) for url in urls] == before, "nothing was sent"
 
 
 def served_version(url: str) -> str:
@@ -219,19 +267,24 @@ def test_two_ranks_sample_one_version_ahead_on_the_servers(job):
     assert [served_version(url) for url in urls] == ["3", "3"], "rank 0 pushed to both"
 
 
-def rank_0_generator(root: Path, urls: list[str], timeout_s: float = 600):
+def rank_0_generator(
+    root: Path, urls: list[str], timeout_s: float = 600, sequence_len: int | None = None
+):
     """A ServerGenerator on the servers as trainer rank 0 builds it (`timeout_s`: its
-    requests'), and the float32 weights of a one-process learner of the run."""
+    requests'; `sequence_len`: the longest sequence it asks for, else the run's), and the
+    float32 weights of a one-process learner of the run."""
     from transformers import AutoTokenizer
 
     from tests.support.hf_dirs import eos_ids
+    from titan_learner.config.derived import longest_sequence
     from titan_learner.learner.local import LocalLearner
     from titan_learner.model.hf_config import hf_config
     from titan_learner.vllm.server_generator import ServerGenerator
 
     one_process = tables(root, urls, steps=1)
     one_process.pop("parallelism")
-    learner = LocalLearner(config_from_dict(one_process, "one process"))
+    config = config_from_dict(one_process, "one process")
+    learner = LocalLearner(config)
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     generator = ServerGenerator(
         urls,
@@ -239,6 +292,7 @@ def rank_0_generator(root: Path, urls: list[str], timeout_s: float = 600):
         eos_id=eos_ids(tokenizer),
         pad_id=tokenizer.pad_token_id,
         dtype=torch.float32,
+        sequence_len=sequence_len or longest_sequence(config),
         sender=True,
         token=TOKEN,
         timeout_s=timeout_s,

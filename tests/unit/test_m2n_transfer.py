@@ -169,6 +169,7 @@ def test_shards_that_do_not_fit_the_served_model_are_refused_before_any_server_i
             eos_id=1,
             pad_id=0,
             dtype=torch.bfloat16,
+            sequence_len=64,
             sender=True,
             weight_transfer="nccl_m2n",
             token="test-token-not-a-secret",

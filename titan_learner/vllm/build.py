@@ -50,6 +50,7 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     """The [rollout.vllm] servers, shared by every rank; rank 0 pushes the weights once every
     rank asked for them, or, on nccl_m2n, every rank sends its own shards (a collective: every
     rank builds it)."""
+    from titan_learner.config.derived import longest_sequence
     from titan_learner.model.hf_config import hf_config
     from titan_learner.ranks import rank, world_size
     from titan_learner.vllm.push_gate import trainer_push_gate
@@ -65,6 +66,7 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         config.rollout.vllm["servers"],
         hf_config(learner.spec),
         dtype=dtype,
+        sequence_len=longest_sequence(config),
         sender=rank() == 0,
         weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
         token=server_token(config),

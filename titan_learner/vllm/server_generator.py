@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titan_learner.rollout.base import Rollout, _check_special_ids, eos_id_set, rollout_from_lists
-from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
+from titan_learner.vllm.backends import resolve_weight_transfer
 from titan_learner.vllm.generator import request_sampling
 from titan_learner.vllm.push_gate import PUSH_WAIT_S, PushGate
+from titan_learner.vllm.served_config import check_served
 from titan_learner.vllm.server_client import DEFAULT_TIMEOUT_S, ServerClient, ServerError
 from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
@@ -46,7 +47,9 @@ REJECTED = "load_weights rejected the weights, nothing was sent"
 
 class ServerGenerator:
     """`urls`: the servers (`titan-learner serve` starts one). `config`: the transformers config
-    of the model they serve (names and shapes each update is checked against). `sender`: this
+    of the model they serve (names and shapes each update is checked against). `dtype`: the
+    weights' on the servers; `sequence_len`: the most tokens a prompt and its completion (or
+    an episode) take, which the servers must take whole. `sender`: this
     trainer process pushes the weights (rank 0); the others wait for the servers' version.
     `gate`: with several trainer ranks, how rank 0 knows they all asked for a version.
     `shards`: for nccl_m2n, this rank's share of the learner, checked against `config` before
@@ -61,6 +64,7 @@ class ServerGenerator:
         eos_id: int | Sequence[int],
         pad_id: int,
         dtype: torch.dtype,
+        sequence_len: int,
         sender: bool,
         weight_transfer: str = "auto",
         token: str,
@@ -75,6 +79,7 @@ class ServerGenerator:
         self.pad_id = pad_id
         self.vocab_size = config.vocab_size
         self.dtype = dtype
+        self.sequence_len = sequence_len
         self.gate = gate
         self._shapes, self._required = hf_parameter_shapes(config)
         if shards is not None:
@@ -106,11 +111,17 @@ class ServerGenerator:
         self.weights_version = 0
 
     def _served(self) -> list[dict[str, Any]]:
-        """Each server's vLLM config, once it is known to run this job's backend (asked only
-        by the ranks that send: the others never transfer)."""
+        """Each server's vLLM config, once it is known to run what this job needs
+        (`served_config`; asked by the ranks that send, rank 0 at least)."""
         served = [server.served_config() for server in self.servers]
         for server, config in zip(self.servers, served, strict=True):
-            check_served_backend(server.url, config, self.weight_transfer)
+            check_served(
+                server.url,
+                config,
+                transfer=self.weight_transfer,
+                dtype=self.dtype,
+                sequence_len=self.sequence_len,
+            )
         return served
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -224,21 +235,6 @@ class ServerGenerator:
             self.eos_ids,
             self.pad_id,
             sampled_version(samples, self.weights_version),
-        )
-
-
-def check_served_backend(url: str, served: dict[str, Any], transfer: str) -> None:
-    """A server must run the worker engine of the backend the job sends with: a mismatch is
-    one line before any transfer (vLLM's nccl_m2n trainer would wait for the server's workers
-    in NCCL forever)."""
-    config = served.get("weight_transfer_config") or {}
-    expected = engine_backend(transfer)
-    if config.get("backend") != expected:
-        raise ServerError(
-            f"rollout server {url} runs weight-transfer backend {config.get('backend')!r} and "
-            f"this run sends with {transfer!r} (backend {expected!r}); allowed: restart it with "
-            "this run's config (titan-learner serve --config ...), or the same "
-            "[rollout.vllm] weight_transfer in both"
         )
 
 
