@@ -44,7 +44,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
-        check_vllm_structure(config)  # what the job would refuse, before a server starts
+        if not args.text_routes:  # a judge's server takes its own prompts, not the run's
+            check_vllm_structure(config)  # what the job would refuse, before a server starts
         on_gpu = args.gpus is not None or _sees_a_gpu()
         argv, env = server_command(
             config,
