@@ -10,12 +10,14 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from tests.support.servers import local_http
+from tests.support.servers import free_port, local_http
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
@@ -208,9 +210,9 @@ def test_a_server_that_is_not_there_is_one_line_after_bounded_retries():
         probe.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
     with pytest.raises(ServerError) as info:
-        ServerClient(url, token="s3cret", timeout_s=5).health()
+        ServerClient(url, token="s3cret", timeout_s=5).weight_version()
     assert str(info.value) == (
-        f"rollout server {url} is unreachable (GET /health, {CONNECT_RETRIES} tries): "
+        f"rollout server {url} is unreachable (GET /weight_info, {CONNECT_RETRIES} tries): "
         "ConnectionError"
     )
     with pytest.raises(ServerError, match=r"unreachable \(POST /start_weight_update, 1 tries\)"):
@@ -238,7 +240,7 @@ def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
 
     with local_http(WithoutDevMode) as url:
         client = ServerClient(url, token="s3cret", timeout_s=5)
-        client.health()
+        assert client.listening()
         with pytest.raises(ServerError) as info:
             client.served_config()
     assert str(info.value) == (
@@ -297,6 +299,16 @@ def test_a_bad_server_timeout_is_one_line(value, extra, message):
             on_this_machine=False,
         )
     assert str(info.value) == f"{TOY}: [rollout.vllm] server_timeout_s: {message}"
+    with pytest.raises(ConfigError) as info:
+        validate(
+            toy(f"rollout.vllm.server_start_timeout_s={value}", extra),
+            world_size=1,
+            on_this_machine=False,
+        )
+    start_message = message.replace(
+        "only their requests wait for an answer", "only they are waited for as the job starts"
+    )
+    assert str(info.value) == f"{TOY}: [rollout.vllm] server_start_timeout_s: {start_message}"
     validate(
         toy("rollout.vllm.server_timeout_s=7200", SERVERS), world_size=1, on_this_machine=False
     )
@@ -309,6 +321,7 @@ def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):
     sets = [
         'rollout.generator="vllm"',
         f'rollout.vllm.servers=["{url}"]',
+        "rollout.vllm.server_start_timeout_s=2",
         f'run.output_dir="{tmp_path / "out"}"',
     ]
     done = subprocess.run(
@@ -321,8 +334,11 @@ def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
-        f"error: rollout server {url} is unreachable (GET /health, 3 tries): ConnectionError"
+        f"error: rollout servers {url} did not listen within 2 s of the job's start (GET "
+        "/health: nothing accepts the connection); allowed: start them (titan-learner serve "
+        "--config ...), or a longer [rollout.vllm] server_start_timeout_s"
     )
+    assert f"waiting up to 2 s for rollout servers to listen: {url}" in done.stdout
 
 
 def test_a_gpu_server_on_nccl_m2n_runs_vllms_own_engine_where_its_runtime_imports(monkeypatch):
@@ -343,3 +359,68 @@ def test_a_gpu_server_on_nccl_m2n_runs_vllms_own_engine_where_its_runtime_import
         return
     argv, _ = server_command(config, host="0.0.0.0", port=1, on_gpu=True, python="py")
     assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl_m2n"})
+
+
+class Healthy(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_job_waits_for_servers_started_beside_it():
+    """The README starts a server in the background and the job at once: vLLM opens the
+    server's port only once the model is loaded, so the job waits for a server that nothing
+    listens on yet (server_start_timeout_s), saying which, instead of stopping at once."""
+    from titan_learner.vllm.server_client import ServerClient, wait_until_listening
+
+    port = free_port()
+    late = ThreadingHTTPServer(("127.0.0.1", port), Healthy, bind_and_activate=False)
+
+    serving = threading.Event()
+
+    def listen() -> None:  # a port opens when vLLM's API server starts
+        late.server_bind()
+        late.server_activate()
+        serving.set()
+        late.serve_forever()
+
+    opened = threading.Timer(1.5, lambda: threading.Thread(target=listen).start())
+    said: list[str] = []
+    with local_http(Healthy) as already:
+        servers = [ServerClient(u, token="s3cret") for u in (already, f"http://127.0.0.1:{port}")]
+        try:
+            opened.start()
+            started = time.monotonic()
+            wait_until_listening(servers, timeout_s=30, say=said.append)
+            waited = time.monotonic() - started
+        finally:
+            opened.join()
+            if serving.wait(5):  # never set where the port was taken meanwhile
+                late.shutdown()
+            late.server_close()
+    assert 1.4 < waited < 10
+    assert said[0] == f"waiting up to 30 s for rollout servers to listen: http://127.0.0.1:{port}"
+    assert said[1].startswith("rollout servers listen after ") and len(said) == 2
+
+
+def test_a_server_that_answers_an_error_is_not_waited_for():
+    from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
+
+    class Failing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"engine dead")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with local_http(Failing) as url:
+        started = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
+        assert time.monotonic() - started < 5
+    assert str(info.value) == f"rollout server {url} answered GET /health with 500: engine dead"

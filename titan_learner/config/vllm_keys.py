@@ -47,7 +47,16 @@ VLLM_OWN_KEYS: dict[str, EngineKey] = {
         "> 0; with servers",
         "How long the job waits for a rollout server to answer one request (a prompt's samples, "
         "a weight update) before it stops with one line naming the server. Long completions "
-        "on a busy server take minutes; a server that is down is found at once.",
+        "on a busy server take minutes; a server that goes down mid-run is found at once.",
+    ),
+    "server_start_timeout_s": EngineKey(
+        "a number",
+        "600",
+        "> 0; with servers",
+        "How long the job, as it starts, waits for rollout servers that do not listen yet (a "
+        "server started beside it opens its port once vLLM has loaded the model: ~30 s for the "
+        "toy on 2 CPU cores, minutes for a large model), naming them; then it stops with one "
+        "line. A server that answers with an error is one line at once.",
     ),
     "token_file": EngineKey(
         "a string",

@@ -55,7 +55,7 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     from titan_learner.ranks import rank, world_size
     from titan_learner.vllm.push_gate import trainer_push_gate
     from titan_learner.vllm.serve import server_token
-    from titan_learner.vllm.server_client import DEFAULT_TIMEOUT_S
+    from titan_learner.vllm.server_client import DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S
     from titan_learner.vllm.server_generator import ServerGenerator
     from titan_learner.weights.local_shards import LocalShards
 
@@ -71,6 +71,7 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         weight_transfer=config.rollout.vllm.get("weight_transfer", "auto"),
         token=server_token(config),
         timeout_s=config.rollout.vllm.get("server_timeout_s", DEFAULT_TIMEOUT_S),
+        start_timeout_s=config.rollout.vllm.get("server_start_timeout_s", DEFAULT_START_TIMEOUT_S),
         gate=trainer_push_gate(),
         shards=shards,
         **ids,

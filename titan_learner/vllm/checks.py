@@ -65,7 +65,7 @@ def check_vllm_structure(config: Config) -> None:
             where="[rollout.vllm] weight_transfer",
         )
     _check_servers(config)
-    _check_server_timeout(config)
+    _check_server_timeouts(config)
     _check_sleep_level(config)
     _check_max_model_len(config)
     for key, owner in RESERVED_ENGINE_KEYS.items():
@@ -101,25 +101,36 @@ def _check_servers(config: Config) -> None:
         )
 
 
-def _check_server_timeout(config: Config) -> None:
-    """[rollout.vllm] server_timeout_s: seconds, for the servers' requests."""
-    timeout = config.rollout.vllm.get("server_timeout_s")
-    if timeout is None:
-        return
-    where = "[rollout.vllm] server_timeout_s"
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < inf:
-        raise ConfigError(
-            f"{timeout!r}; allowed: a finite number of seconds > 0",
-            source=config.source,
-            where=where,
-        )
-    if not config.rollout.vllm.get("servers"):
-        raise ConfigError(
-            f"{timeout!r} without rollout servers: only their requests wait for an answer; "
-            "allowed: with [rollout.vllm] servers, or left out",
-            source=config.source,
-            where=where,
-        )
+SERVER_TIMEOUTS = {
+    "server_timeout_s": "only their requests wait for an answer",
+    "server_start_timeout_s": "only they are waited for as the job starts",
+}
+
+
+def _check_server_timeouts(config: Config) -> None:
+    """[rollout.vllm] server_timeout_s and server_start_timeout_s: seconds, for servers."""
+    for key, why in SERVER_TIMEOUTS.items():
+        timeout = config.rollout.vllm.get(key)
+        if timeout is None:
+            continue
+        where = f"[rollout.vllm] {key}"
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < inf
+        ):
+            raise ConfigError(
+                f"{timeout!r}; allowed: a finite number of seconds > 0",
+                source=config.source,
+                where=where,
+            )
+        if not config.rollout.vllm.get("servers"):
+            raise ConfigError(
+                f"{timeout!r} without rollout servers: {why}; allowed: with [rollout.vllm] "
+                "servers, or left out",
+                source=config.source,
+                where=where,
+            )
 
 
 def _check_max_model_len(config: Config) -> None:

@@ -11,6 +11,7 @@ an error, is one `ServerError` naming it, the route and its answer.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 3600.0
@@ -25,6 +26,11 @@ STUCK_ENGINE = (
     "{its} inside a call that has not returned, such as a weight update whose trainer died "
     "inside an nccl broadcast (NCCL waits for good); restart {that}"
 )
+DEFAULT_START_TIMEOUT_S = 600.0
+"""How long a job that starts waits for servers not listening yet ([rollout.vllm]
+server_start_timeout_s): a server started beside the job opens its port only once vLLM has
+loaded the model (~30 s for the toy on 2 CPU cores, minutes for a large model on GPUs)."""
+START_POLL_S = 1.0
 CONNECT_RETRIES = 3
 """Tries for a call that is safe to repeat (reads, generation, pause and resume) when the
 server cannot be connected to; a server that stays down is then one ServerError."""
@@ -32,12 +38,20 @@ server cannot be connected to; a server that stays down is then one ServerError.
 
 class ServerError(RuntimeError):
     """A rollout server that is down, unreachable or refused a request (`status`: its HTTP
-    status, where it answered; `timed_out`: it did not answer in time)."""
+    status, where it answered; `timed_out`: it did not answer in time; `unreachable`: nothing
+    accepted the connection)."""
 
-    def __init__(self, message: str, status: int | None = None, timed_out: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        timed_out: bool = False,
+        unreachable: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.timed_out = timed_out
+        self.unreachable = unreachable
 
 
 def stuck_engines(urls: list[str]) -> ServerError:
@@ -88,7 +102,8 @@ class ServerClient:
                     continue
                 raise ServerError(
                     f"rollout server {self.url} is unreachable ({method} /{route}, "
-                    f"{attempt} tries): {type(err).__name__}"
+                    f"{attempt} tries): {type(err).__name__}",
+                    unreachable=True,
                 ) from None
             except requests.Timeout:
                 raise ServerError(
@@ -108,6 +123,17 @@ class ServerClient:
                 status=answer.status_code,
             )
         return answer.json() if answer.content else None
+
+    def listening(self) -> bool:
+        """Whether the server answers /health; False while nothing listens on its port (a
+        server still loading its model). Any other failure is its ServerError."""
+        try:
+            self._call("GET", "health", retry=False, timeout_s=min(self.timeout_s, 30.0))
+        except ServerError as err:
+            if err.unreachable:
+                return False
+            raise
+        return True
 
     # vLLM's weight-sync control plane (VLLMWeightSyncClient)
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -162,9 +188,6 @@ class ServerClient:
             ) from None
         return answer["vllm_config"]
 
-    def health(self) -> None:
-        self._call("GET", "health")
-
     def check_engine_answers(self) -> None:
         """ServerError unless the engine answers a read within ENGINE_ANSWER_S (`/health` is
         the API process's answer alone, given while the engine is stuck)."""
@@ -196,3 +219,31 @@ class ServerClient:
             versions = {span["version"] for span in choice.get("weight_versions") or []}
             samples.append((ids, log_probs, versions))
         return samples
+
+
+def wait_until_listening(
+    servers: list[ServerClient], timeout_s: float, say: Callable[[str], None] | None = None
+) -> None:
+    """Return once every server answers /health, waiting up to `timeout_s` for the ones that
+    nothing listens on yet (started beside the job, still loading); `say` (one rank's print)
+    hears which it waits for and when they answer. A server that answers with an error is
+    its ServerError at once; one still not listening after `timeout_s`, one line naming it."""
+    start = time.monotonic()
+    waiting = [server for server in servers if not server.listening()]
+    if waiting and say is not None:
+        names = ", ".join(server.url for server in waiting)
+        say(f"waiting up to {timeout_s:g} s for rollout servers to listen: {names}")
+    while waiting:
+        if time.monotonic() - start >= timeout_s:
+            names = ", ".join(server.url for server in waiting)
+            raise ServerError(
+                f"rollout servers {names} did not listen within {timeout_s:g} s of the job's "
+                "start (GET /health: nothing accepts the connection); allowed: start them "
+                "(titan-learner serve --config ...), or a longer [rollout.vllm] "
+                "server_start_timeout_s",
+                unreachable=True,
+            )
+        time.sleep(min(START_POLL_S, max(0.0, timeout_s - (time.monotonic() - start))))
+        waiting = [server for server in waiting if not server.listening()]
+        if not waiting and say is not None:
+            say(f"rollout servers listen after {time.monotonic() - start:.0f} s")

@@ -33,7 +33,13 @@ from titan_learner.vllm.backends import resolve_weight_transfer
 from titan_learner.vllm.generator import request_sampling
 from titan_learner.vllm.push_gate import PUSH_WAIT_S, PushGate
 from titan_learner.vllm.served_config import check_served
-from titan_learner.vllm.server_client import DEFAULT_TIMEOUT_S, ServerClient, ServerError
+from titan_learner.vllm.server_client import (
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    ServerClient,
+    ServerError,
+    wait_until_listening,
+)
 from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
 
@@ -49,7 +55,8 @@ class ServerGenerator:
     """`urls`: the servers (`titan-learner serve` starts one). `config`: the transformers config
     of the model they serve (names and shapes each update is checked against). `dtype`: the
     weights' on the servers; `sequence_len`: the most tokens a prompt and its completion (or
-    an episode) take, which the servers must take whole. `sender`: this
+    an episode) take, which the servers must take whole. `start_timeout_s`: how long to wait for
+    servers that do not listen yet (started beside the job). `sender`: this
     trainer process pushes the weights (rank 0); the others wait for the servers' version.
     `gate`: with several trainer ranks, how rank 0 knows they all asked for a version.
     `shards`: for nccl_m2n, this rank's share of the learner, checked against `config` before
@@ -69,6 +76,7 @@ class ServerGenerator:
         weight_transfer: str = "auto",
         token: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         gate: PushGate | None = None,
         shards: LocalShards | None = None,
     ) -> None:
@@ -85,8 +93,7 @@ class ServerGenerator:
         if shards is not None:
             check_shards(shards, self._shapes, self._required)
         self.servers = [ServerClient(url, token=token, timeout_s=timeout_s) for url in urls]
-        for server in self.servers:
-            server.health()
+        wait_until_listening(self.servers, start_timeout_s, say=print if sender else None)
         self.group = ServerGroup(self.servers)
         self.group.check_engines_answer()  # before a call that would wait behind one
         self.weight_transfer = resolve_weight_transfer(
