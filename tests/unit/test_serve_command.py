@@ -424,3 +424,27 @@ def test_a_server_that_answers_an_error_is_not_waited_for():
             wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
         assert time.monotonic() - started < 5
     assert str(info.value) == f"rollout server {url} answered GET /health with 500: engine dead"
+
+
+def test_a_server_that_listens_and_never_answers_health_is_one_line():
+    """vLLM's API process answers /health at once; one that does not is wedged, and waiting
+    longer (the server_timeout_s a timeout otherwise names) would not help."""
+    from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
+
+    release = threading.Event()
+
+    class Wedged(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            release.wait(10)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with local_http(Wedged) as url:
+        with pytest.raises(ServerError) as info:
+            wait_until_listening([ServerClient(url, token="s3cret", timeout_s=0.25)], 60)
+        release.set()
+    assert str(info.value) == (
+        f"rollout server {url} did not answer GET /health within 0.25 s; a server that "
+        "listens answers it at once: restart it"
+    )

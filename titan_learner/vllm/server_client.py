@@ -31,6 +31,8 @@ DEFAULT_START_TIMEOUT_S = 600.0
 server_start_timeout_s): a server started beside the job opens its port only once vLLM has
 loaded the model (~30 s for the toy on 2 CPU cores, minutes for a large model on GPUs)."""
 START_POLL_S = 1.0
+HEALTH_ANSWER_S = 30.0
+"""How long /health may take once a server listens (vLLM's API process answers it at once)."""
 CONNECT_RETRIES = 3
 """Tries for a call that is safe to repeat (reads, generation, pause and resume) when the
 server cannot be connected to; a server that stays down is then one ServerError."""
@@ -128,7 +130,13 @@ class ServerClient:
         """Whether the server answers /health; False while nothing listens on its port (a
         server still loading its model). Any other failure is its ServerError."""
         try:
-            self._call("GET", "health", retry=False, timeout_s=min(self.timeout_s, 30.0))
+            self._call(
+                "GET",
+                "health",
+                retry=False,
+                timeout_s=min(self.timeout_s, HEALTH_ANSWER_S),
+                after_timeout="a server that listens answers it at once: restart it",
+            )
         except ServerError as err:
             if err.unreachable:
                 return False
