@@ -91,6 +91,13 @@ def stop(processes: list[subprocess.Popen]) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """A test server's handler: its requests stay out of the test's output."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @contextmanager
 def local_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """`handler` answering on a free loopback port, from a thread; its URL. Stopped on exit
@@ -112,7 +119,7 @@ def control_routes(
     None, holds its answer until `released` (its workers inside a collective); every other
     POST answers 200."""
 
-    class Routes(BaseHTTPRequestHandler):
+    class Routes(QuietHandler):
         def do_GET(self) -> None:
             self._answer(200, {"world_size": 1})
 
@@ -129,8 +136,5 @@ def control_routes(
             self.send_header("Content-Type", "application/json")
             self.end_headers()
             self.wfile.write(json.dumps(body).encode())
-
-        def log_message(self, *args) -> None:
-            pass
 
     return Routes

@@ -11,10 +11,11 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
+from tests.support.servers import QuietHandler
 from tests.unit.test_reward_judge import TEMPLATE, judge_table
 from titan_learner.config.toml import config_from_dict
 from titan_learner.rewards.runner import RewardError, build_rewards, score
@@ -33,7 +34,7 @@ def no_proxy_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-class Trickle(BaseHTTPRequestHandler):
+class Trickle(QuietHandler):
     """A chat completion, sent a byte every `server.byte_every_s` seconds (status line and
     headers too when `server.trickle_headers`)."""
 
@@ -56,9 +57,6 @@ class Trickle(BaseHTTPRequestHandler):
                 time.sleep(self.server.byte_every_s)
         except OSError:
             pass  # the judge cut the request at its deadline
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 @contextlib.contextmanager

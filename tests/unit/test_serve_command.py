@@ -12,12 +12,12 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from tests.support.servers import free_port, local_http
+from tests.support.servers import QuietHandler, free_port, local_http
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
@@ -224,19 +224,14 @@ def test_a_server_that_is_not_there_is_one_line_after_bounded_retries():
 def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
     """A `vllm serve` started without VLLM_SERVER_DEV_MODE=1 answers 404 on every RL route,
     /server_info included: the job's first question to it says what to change."""
-    from http.server import BaseHTTPRequestHandler
-
     from titan_learner.vllm.server_client import ServerClient, ServerError
 
-    class WithoutDevMode(BaseHTTPRequestHandler):
+    class WithoutDevMode(QuietHandler):
         def do_GET(self) -> None:
             found = self.path == "/health"
             self.send_response(200 if found else 404)
             self.end_headers()
             self.wfile.write(b"" if found else b'{"detail":"Not Found"}')
-
-        def log_message(self, *args) -> None:
-            pass
 
     with local_http(WithoutDevMode) as url:
         client = ServerClient(url, token="s3cret", timeout_s=5)
@@ -251,19 +246,14 @@ def test_a_server_without_vllms_rl_routes_is_one_line_naming_why():
 
 
 def test_a_server_slower_than_server_timeout_s_is_one_line_naming_the_key():
-    from http.server import BaseHTTPRequestHandler
-
     from titan_learner.vllm.server_client import ServerClient, ServerError
 
-    class Slow(BaseHTTPRequestHandler):
+    class Slow(QuietHandler):
         def do_POST(self) -> None:
             time.sleep(1.0)  # long completions on a busy server
             self.send_response(200)
             self.end_headers()
             self.wfile.write(b'{"choices": []}')
-
-        def log_message(self, *args) -> None:
-            pass
 
     with local_http(Slow) as url:
         with pytest.raises(ServerError) as info:
@@ -361,13 +351,10 @@ def test_a_gpu_server_on_nccl_m2n_runs_vllms_own_engine_where_its_runtime_import
     assert argv[argv.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl_m2n"})
 
 
-class Healthy(BaseHTTPRequestHandler):
+class Healthy(QuietHandler):
     def do_GET(self) -> None:
         self.send_response(200)
         self.end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 def test_a_job_waits_for_servers_started_beside_it():
@@ -409,14 +396,11 @@ def test_a_job_waits_for_servers_started_beside_it():
 def test_a_server_that_answers_an_error_is_not_waited_for():
     from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
 
-    class Failing(BaseHTTPRequestHandler):
+    class Failing(QuietHandler):
         def do_GET(self) -> None:
             self.send_response(500)
             self.end_headers()
             self.wfile.write(b"engine dead")
-
-        def log_message(self, *args) -> None:
-            pass
 
     with local_http(Failing) as url:
         started = time.monotonic()
@@ -433,12 +417,9 @@ def test_a_server_that_listens_and_never_answers_health_is_one_line():
 
     release = threading.Event()
 
-    class Wedged(BaseHTTPRequestHandler):
+    class Wedged(QuietHandler):
         def do_GET(self) -> None:
             release.wait(10)
-
-        def log_message(self, *args) -> None:
-            pass
 
     with local_http(Wedged) as url:
         with pytest.raises(ServerError) as info:
