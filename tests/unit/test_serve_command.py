@@ -265,6 +265,13 @@ def test_a_server_slower_than_server_timeout_s_is_one_line_naming_the_key():
     )
 
 
+SERVER_TIMEOUT_KEYS = {  # each key, and why it means nothing without servers
+    "server_timeout_s": "only their requests wait for an answer",
+    "server_start_timeout_s": "only they are waited for as the job starts",
+}
+
+
+@pytest.mark.parametrize("key", SERVER_TIMEOUT_KEYS)
 @pytest.mark.parametrize(
     ("value", "extra", "message"),
     [
@@ -274,34 +281,18 @@ def test_a_server_slower_than_server_timeout_s_is_one_line_naming_the_key():
         (
             "60",
             "rollout.vllm.enforce_eager=true",
-            "60 without rollout servers: only their requests wait for an answer; allowed: with "
-            "[rollout.vllm] servers, or left out",
+            "60 without rollout servers: {why}; allowed: with [rollout.vllm] servers, or left out",
         ),
     ],
 )
-def test_a_bad_server_timeout_is_one_line(value, extra, message):
+def test_a_bad_server_timeout_is_one_line(key, value, extra, message):
     from titan_learner.job.validate import validate
 
     with pytest.raises(ConfigError) as info:
-        validate(
-            toy(f"rollout.vllm.server_timeout_s={value}", extra),
-            world_size=1,
-            on_this_machine=False,
-        )
-    assert str(info.value) == f"{TOY}: [rollout.vllm] server_timeout_s: {message}"
-    with pytest.raises(ConfigError) as info:
-        validate(
-            toy(f"rollout.vllm.server_start_timeout_s={value}", extra),
-            world_size=1,
-            on_this_machine=False,
-        )
-    start_message = message.replace(
-        "only their requests wait for an answer", "only they are waited for as the job starts"
-    )
-    assert str(info.value) == f"{TOY}: [rollout.vllm] server_start_timeout_s: {start_message}"
-    validate(
-        toy("rollout.vllm.server_timeout_s=7200", SERVERS), world_size=1, on_this_machine=False
-    )
+        validate(toy(f"rollout.vllm.{key}={value}", extra), world_size=1, on_this_machine=False)
+    why = SERVER_TIMEOUT_KEYS[key]
+    assert str(info.value) == f"{TOY}: [rollout.vllm] {key}: {message.format(why=why)}"
+    validate(toy(f"rollout.vllm.{key}=7200", SERVERS), world_size=1, on_this_machine=False)
 
 
 def test_a_job_whose_server_is_down_stops_with_one_line(tmp_path):
