@@ -24,8 +24,7 @@ from titan_learner.vllm.update_session import UpdateSession
 
 def address_toward(url: str) -> str:
     """This machine's address on its route to `url`'s host: where a server there reaches the
-    trainer's rendezvous for a weight broadcast (127.0.0.1 for a server on this machine). A
-    UDP socket's connect picks the route and sends nothing."""
+    trainer's rendezvous for a weight broadcast (127.0.0.1 for a server on this machine)."""
     parts = urllib.parse.urlsplit(url)
     return route_address(parts.hostname or "localhost", parts.port or 80)
 
