@@ -145,14 +145,6 @@ def test_check_flags_servers_without_a_token_source(monkeypatch, tmp_path):
     assert token_warnings() == []
 
 
-def test_dry_run_prints_a_command_a_shell_runs_as_is():
-    done = serve("--port", "8123", "--dry-run", env=WITH_TOKEN)
-    assert done.returncode == 0, done.stderr
-    argv = shlex.split(done.stdout)
-    assert argv[argv.index("--port") + 1] == "8123"
-    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
-
-
 def test_a_server_the_job_would_refuse_does_not_start():
     """`serve` checks the run's [rollout.vllm] as `train` does: a max_model_len under the run's
     longest sequence would start a server that cuts completions short in silence."""

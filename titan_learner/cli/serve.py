@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 
 
@@ -22,7 +21,8 @@ def add_serve_parser(commands) -> None:
     serve.add_argument(
         "--gpus",
         default=None,
-        help="CUDA devices for the server, e.g. 4,5,6,7 (default: what this process sees)",
+        help="CUDA devices for the server, e.g. 4,5,6,7, all used: tensor-parallel over them "
+        "unless [rollout.vllm] sets the parallel sizes (default: what this process sees)",
     )
     serve.add_argument(
         "--text-routes",
@@ -31,7 +31,10 @@ def add_serve_parser(commands) -> None:
         "answer: an LLM judge's server (rollouts need only token ids)",
     )
     serve.add_argument(
-        "--dry-run", action="store_true", help="print the server's command line and exit"
+        "--dry-run",
+        action="store_true",
+        help="print the server's command line (its variables first; the token as the line "
+        "reads it, never its value) and exit",
     )
 
 
@@ -40,27 +43,29 @@ def serve(args: argparse.Namespace) -> int:
     from titan_learner.config.errors import ConfigError
     from titan_learner.config.toml import load_config
     from titan_learner.vllm.checks import check_vllm_structure
-    from titan_learner.vllm.serve import server_command
+    from titan_learner.vllm.serve import dry_run_line, parse_gpus, server_command
 
+    try:
+        gpus = parse_gpus(args.gpus) if args.gpus is not None else None
+    except ValueError as err:
+        return user_error(err)
     try:
         config = load_config(args.config, args.overrides)
         if not args.text_routes:  # a judge's server takes its own prompts, not the run's
             check_vllm_structure(config)  # what the job would refuse, before a server starts
-        on_gpu = args.gpus is not None or _sees_a_gpu()
         argv, env = server_command(
             config,
             host=args.host,
             port=args.port,
-            on_gpu=on_gpu,
+            on_gpu=gpus is not None or _sees_a_gpu(),
             python=sys.executable,
             text_routes=args.text_routes,
+            gpus=gpus,
         )
     except ConfigError as err:
         return user_error(err)
-    if args.gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = args.gpus
     if args.dry_run:
-        print(shlex.join(argv))
+        print(dry_run_line(argv, env, config))
         return 0
     sys.stdout.flush()
     os.execvpe(argv[0], argv, {**os.environ, **env})  # the server takes this process over

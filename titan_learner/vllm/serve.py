@@ -15,7 +15,10 @@ on a shared machine, loopback is open to every other user's processes.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,8 @@ from titan_learner.vllm.engine_memory import EngineMemory, cpu_engine_defaults, 
 OWN_KEYS = frozenset(VLLM_OWN_KEYS)
 """[rollout.vllm] keys that are ours: how weights travel, which servers, where the token is,
 whether a colocated engine sleeps."""
+PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+"""vLLM's engine arguments whose product is the GPUs one server uses."""
 NO_TOKEN = (
     "a rollout server needs a bearer token: without one, anyone who reaches its port (any "
     "process on this machine, on loopback) could pause it or load their own weights into it; "
@@ -78,10 +83,18 @@ def engine_flags(engine: dict[str, Any]) -> list[str]:
 
 
 def server_command(
-    config: Config, *, host: str, port: int, on_gpu: bool, python: str, text_routes: bool = False
+    config: Config,
+    *,
+    host: str,
+    port: int,
+    on_gpu: bool,
+    python: str,
+    text_routes: bool = False,
+    gpus: Sequence[str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The server's argv and the variables to add to its environment. Rollouts need no
-    tokenizer (token ids in and out); `text_routes` (a judge's server) loads it."""
+    tokenizer (token ids in and out); `text_routes` (a judge's server) loads it. `gpus`: the
+    CUDA devices the server gets (`parse_gpus`), all of them used (`gpu_parallel_flags`)."""
     from titan_learner.config.derived import longest_sequence
     from titan_learner.vllm.engine_model import check_cpu_head_dim, engine_model
 
@@ -118,8 +131,61 @@ def server_command(
         check_cpu_head_dim(config)
         engine |= cpu_engine_defaults(engine, _server_memory(config))
     argv += engine_flags(engine)
+    env = {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
+    if gpus is not None:
+        argv += gpu_parallel_flags(config, gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     argv += ["--middleware", MIDDLEWARE]
-    return argv, {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
+    return argv, env
+
+
+def parse_gpus(text: str) -> list[str]:
+    """`--gpus 4,5,6,7`: the server's CUDA devices (indices or UUIDs, as CUDA_VISIBLE_DEVICES
+    takes them), each once."""
+    gpus = [g.strip() for g in text.split(",")]
+    if not all(gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(
+            f"--gpus {text!r}: allowed: the server's CUDA devices, comma-separated, each once "
+            "(e.g. 4,5,6,7)"
+        )
+    return gpus
+
+
+def gpu_parallel_flags(config: Config, gpus: Sequence[str]) -> list[str]:
+    """A server uses every GPU `--gpus` gives it: tensor-parallel over all of them unless
+    [rollout.vllm] sets its parallel sizes, which must then use exactly those GPUs (a server
+    on 1 of 4 GPUs would leave 3 idle in silence; on more than it sees, vLLM fails late)."""
+    sizes = {key: config.rollout.vllm[key] for key in PARALLEL_KEYS if key in config.rollout.vllm}
+    for key, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(
+                f"{size!r}; allowed: a positive integer",
+                source=config.source,
+                where=f"[rollout.vllm] {key}",
+            )
+    if not sizes:
+        return ["--tensor-parallel-size", str(len(gpus))] if len(gpus) > 1 else []
+    used = math.prod(sizes.values())
+    if used != len(gpus):
+        product = " x ".join(f"{key} {size}" for key, size in sizes.items())
+        raise ConfigError(
+            f"--gpus {','.join(gpus)} gives the server {len(gpus)} GPUs and [rollout.vllm] "
+            f"{product} uses {used}; allowed: --gpus naming {used} GPUs, or leave the parallel "
+            "sizes out (the server then runs tensor-parallel over every GPU --gpus names)",
+            source=config.source,
+        )
+    return []
+
+
+def dry_run_line(argv: Sequence[str], env: dict[str, str], config: Config) -> str:
+    """The server's command as one line a shell runs as it is (`serve --dry-run`): the
+    variables first, then the argv. The token itself is never printed: the line reads it
+    where the server starts, from the environment or the file [rollout.vllm] token_file."""
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k != TOKEN_ENV]
+    if TOKEN_ENV not in os.environ:  # the token came from token_file
+        path = Path(config.rollout.vllm["token_file"]).resolve()
+        assignments.append(f'{TOKEN_ENV}="$(cat {shlex.quote(str(path))})"')
+    return " ".join([*assignments, shlex.join(argv)])
 
 
 def _server_memory(config: Config) -> EngineMemory:
