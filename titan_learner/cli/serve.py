@@ -22,7 +22,8 @@ def add_serve_parser(commands) -> None:
         "--gpus",
         default=None,
         help="CUDA devices for the server, e.g. 4,5,6,7, all used: tensor-parallel over them "
-        "unless [rollout.vllm] sets the parallel sizes (default: what this process sees)",
+        "unless [rollout.vllm] sets the parallel sizes (default: as vLLM does, the first GPUs "
+        "this process sees, as many as the parallel sizes take: one without them)",
     )
     serve.add_argument(
         "--text-routes",
