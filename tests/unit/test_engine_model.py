@@ -71,10 +71,11 @@ def test_a_run_with_a_model_directory_serves_it_as_it_is():
     assert engine_model(config) == ("engine", {})
 
 
+SERVE_TOY = [sys.executable, "-m", "titan_learner", "serve", "--config", str(TOY)]
 CPU_HEADS = (
     "vLLM's CPU attention takes head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and "
     "this model's is 16; allowed: a model with one of them ([model.overrides] dim / n_heads, or "
-    'head_dim for qwen3), generator = "hf", or rollout servers on GPUs'
+    "head_dim for qwen3), "
 )
 
 
@@ -84,21 +85,41 @@ def test_a_head_width_the_cpu_attention_does_not_take_is_one_line():
     check_cpu_head_dim(load_config(str(TOY_SERVERS)))  # head_dim 32
     with pytest.raises(ConfigError) as info:
         check_cpu_head_dim(load_config(str(TOY)))  # head_dim 16
-    assert str(info.value) == f"{TOY}: [rollout] generator: {CPU_HEADS}"
+    assert str(info.value) == (
+        f'{TOY}: [rollout] generator: {CPU_HEADS}generator = "hf", or rollout servers on GPUs'
+    )
 
 
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a server here would run on its GPU")
 def test_serving_on_cpu_a_model_of_a_head_width_it_cannot_run_is_one_line():
     done = subprocess.run(
-        [sys.executable, "-m", "titan_learner", "serve", "--config", str(TOY), "--dry-run"],
+        [*SERVE_TOY, "--set", 'rollout.generator="vllm"', "--dry-run"],
         capture_output=True,
         text=True,
         env={**os.environ, TOKEN_ENV: "s3cret"},
         timeout=120,
     )
     assert done.returncode == 2
-    assert done.stderr == f"error: {TOY}: [rollout] generator: {CPU_HEADS}\n"
+    assert done.stderr == f"error: {TOY}: [rollout] generator: {CPU_HEADS}or a server on GPUs\n"
+
+
+def test_serving_a_run_that_samples_in_its_own_processes_is_one_line():
+    """The embedded default samples with transformers in the job: a server would sit unused."""
+    done = subprocess.run(
+        [*SERVE_TOY, "--gpus", "0", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, TOKEN_ENV: "s3cret"},
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"error: {TOY}: [rollout] generator: 'hf' samples in the job's own processes, and a "
+        'rollout server serves a job whose generator is "vllm"; allowed: generator = "vllm" '
+        "(with [rollout.vllm] servers naming this server), or --text-routes for an LLM judge's "
+        "server\n"
+    )
 
 
 def test_serving_a_model_built_from_scratch_starts_vllm_on_dummy_weights(cache):

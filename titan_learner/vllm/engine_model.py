@@ -27,6 +27,10 @@ from titan_learner.config.schema import Config
 
 DUMMY = "dummy"
 """vLLM's load format that reads no weight file (`vllm.config.LoadFormat`)."""
+JOB_REMEDY = 'generator = "hf", or rollout servers on GPUs'
+"""What else a job whose engines' head width vLLM's CPU attention cannot take may do."""
+SERVER_REMEDY = "or a server on GPUs"
+"""The same for a server on CPU: its config's generator is already "vllm"."""
 
 
 def engine_model(config: Config) -> tuple[str, dict[str, Any]]:
@@ -39,10 +43,10 @@ def engine_model(config: Config) -> tuple[str, dict[str, Any]]:
     return str(config_only_directory(learner_hf_config(config).to_dict())), {"load_format": DUMMY}
 
 
-def check_cpu_head_dim(config: Config) -> None:
+def check_cpu_head_dim(config: Config, remedy: str = JOB_REMEDY) -> None:
     """An engine on this machine's CPU: vLLM's CPU attention takes a few head widths and fails
     on any other at the first rollout, with a worker traceback (head_dim 16: the embedded
-    default's)."""
+    default's). `remedy`: what else the caller allows (a server cannot change generator)."""
     import torch
 
     if torch.cuda.is_available():
@@ -59,7 +63,7 @@ def check_cpu_head_dim(config: Config) -> None:
         raise ConfigError(
             f"vLLM's CPU attention takes head_dim {', '.join(map(str, sizes))} and this model's "
             f"is {head_dim}; allowed: a model with one of them ([model.overrides] dim / n_heads, "
-            'or head_dim for qwen3), generator = "hf", or rollout servers on GPUs',
+            f"or head_dim for qwen3), {remedy}",
             source=config.source,
             where="[rollout] generator",
         )

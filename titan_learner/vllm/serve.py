@@ -96,8 +96,17 @@ def server_command(
     tokenizer (token ids in and out); `text_routes` (a judge's server) loads it. `gpus`: the
     CUDA devices the server gets (`parse_gpus`), all of them used (`gpu_parallel_flags`)."""
     from titan_learner.config.derived import longest_sequence
-    from titan_learner.vllm.engine_model import check_cpu_head_dim, engine_model
+    from titan_learner.vllm.engine_model import SERVER_REMEDY, check_cpu_head_dim, engine_model
 
+    if not text_routes and config.rollout.generator != "vllm":
+        raise ConfigError(
+            f"{config.rollout.generator!r} samples in the job's own processes, and a rollout "
+            'server serves a job whose generator is "vllm"; allowed: generator = "vllm" '
+            "(with [rollout.vllm] servers naming this server), or --text-routes for an LLM "
+            "judge's server",
+            source=config.source,
+            where="[rollout] generator",
+        )
     where = "[rollout.vllm] weight_transfer"
     try:
         backend = resolve_weight_transfer(
@@ -128,7 +137,7 @@ def server_command(
         k: v for k, v in config.rollout.vllm.items() if k != "max_model_len"
     }
     if not on_gpu:
-        check_cpu_head_dim(config)
+        check_cpu_head_dim(config, SERVER_REMEDY)
         engine |= cpu_engine_defaults(engine, _server_memory(config))
     argv += engine_flags(engine)
     env = {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
