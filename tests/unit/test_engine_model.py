@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.servers import TEST_TOKEN, run_serve
 from tests.support.vllm import needs_vllm
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
@@ -71,7 +70,6 @@ def test_a_run_with_a_model_directory_serves_it_as_it_is():
     assert engine_model(config) == ("engine", {})
 
 
-SERVE_TOY = [sys.executable, "-m", "titan_learner", "serve", "--config", str(TOY)]
 CPU_HEADS = (
     "vLLM's CPU attention takes head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and "
     "this model's is 16; allowed: a model with one of them ([model.overrides] dim / n_heads, or "
@@ -93,43 +91,14 @@ def test_a_head_width_the_cpu_attention_does_not_take_is_one_line():
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a server here would run on its GPU")
 def test_serving_on_cpu_a_model_of_a_head_width_it_cannot_run_is_one_line():
-    done = subprocess.run(
-        [*SERVE_TOY, "--set", 'rollout.generator="vllm"', "--dry-run"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, TOKEN_ENV: "s3cret"},
-        timeout=120,
-    )
+    done = run_serve(TOY, "--set", 'rollout.generator="vllm"', "--dry-run")
     assert done.returncode == 2
     assert done.stderr == f"error: {TOY}: [rollout] generator: {CPU_HEADS}or a server on GPUs\n"
 
 
-def test_serving_a_run_that_samples_in_its_own_processes_is_one_line():
-    """The embedded default samples with transformers in the job: a server would sit unused."""
-    done = subprocess.run(
-        [*SERVE_TOY, "--gpus", "0", "--dry-run"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, TOKEN_ENV: "s3cret"},
-        timeout=120,
-    )
-    assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == (
-        f"error: {TOY}: [rollout] generator: 'hf' samples in the job's own processes, and a "
-        'rollout server serves a job whose generator is "vllm"; allowed: generator = "vllm" '
-        "(with [rollout.vllm] servers naming this server), or --text-routes for an LLM judge's "
-        "server\n"
-    )
-
-
 def test_serving_a_model_built_from_scratch_starts_vllm_on_dummy_weights(cache):
-    done = subprocess.run(
-        [sys.executable, "-m", "titan_learner", "serve", "--config", str(TOY_SERVERS), "--dry-run"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, TOKEN_ENV: "s3cret", "XDG_CACHE_HOME": str(cache)},
-        timeout=120,
-    )
+    env = {**os.environ, TOKEN_ENV: TEST_TOKEN, "XDG_CACHE_HOME": str(cache)}
+    done = run_serve(TOY_SERVERS, "--dry-run", env=env)
     assert done.returncode == 0, done.stderr
     argv = shlex.split(done.stdout)
     assert argv[argv.index("--load-format") + 1] == "dummy"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.servers import QuietHandler, free_port, local_http
+from tests.support.servers import QuietHandler, free_port, local_http, run_serve
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
@@ -40,11 +40,7 @@ def toy(*extra: str):
 
 
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "titan_learner", "serve", "--config", str(TOY)]
-    sets = [flag for pair in VLLM_TOY for flag in ("--set", pair)]
-    return subprocess.run(
-        [*command, *sets, *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return run_serve(TOY, *(flag for pair in VLLM_TOY for flag in ("--set", pair)), *args, env=env)
 
 
 def test_the_server_command_carries_what_the_job_needs(monkeypatch):
@@ -155,6 +151,18 @@ def test_a_server_the_job_would_refuse_does_not_start():
         "sequence, 24 tokens (a prompt and its completion, or a whole episode), and vLLM would "
         "end completions there without an error; allowed: an integer >= 24, or leave it out "
         "(24)\n"
+    )
+
+
+def test_serving_a_run_that_samples_in_its_own_processes_is_one_line():
+    """The embedded default samples with transformers in the job: a server would sit unused."""
+    done = run_serve(TOY, "--gpus", "0", "--dry-run")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"error: {TOY}: [rollout] generator: 'hf' samples in the job's own processes, and a "
+        'rollout server serves a job whose generator is "vllm"; allowed: generator = "vllm" '
+        "(with [rollout.vllm] servers naming this server), or --text-routes for an LLM judge's "
+        "server\n"
     )
 
 

@@ -9,11 +9,11 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.servers import run_serve
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
@@ -32,11 +32,6 @@ PROBE = (
 def gpu_command(*sets: str, gpus: list[str] | None) -> tuple[list[str], dict[str, str]]:
     config = load_config(str(SERVERS_TOY), overrides=list(sets))
     return server_command(config, host="0.0.0.0", port=8000, on_gpu=True, python="py", gpus=gpus)
-
-
-def serve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "titan_learner", "serve", "--config", str(SERVERS_TOY)]
-    return subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 @pytest.fixture
@@ -92,7 +87,7 @@ def test_bad_gpu_lists_are_one_line(text):
 
 
 def test_a_bad_gpu_list_stops_serve_before_anything_starts():
-    done = serve("--gpus", "4,4", env={**os.environ, TOKEN_ENV: "s3cret"})
+    done = run_serve(SERVERS_TOY, "--gpus", "4,4")
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
         "error: --gpus '4,4': allowed: the server's CUDA devices, comma-separated, each once "
@@ -136,7 +131,7 @@ def test_dry_run_prints_a_line_a_shell_runs_as_it_is(tmp_path, source):
     else:
         (tmp_path / "token").write_text("s3cret\n")
         sets += ["--set", f'rollout.vllm.token_file="{tmp_path / "token"}"']
-    done = serve(*sets, "--port", "8123", "--dry-run", env=env)
+    done = run_serve(SERVERS_TOY, *sets, "--port", "8123", "--dry-run", env=env)
     assert done.returncode == 0, done.stderr
     line = done.stdout.strip()
     assert "s3cret" not in line and line.count(SERVER_MODULE) == 1
