@@ -198,8 +198,8 @@ def dry_run_line(argv: Sequence[str], env: dict[str, str], config: Config) -> st
 
 
 def _server_memory(config: Config) -> EngineMemory:
-    """A CPU server's share of a step: its prompts (they go round-robin over the servers), each
-    with its group."""
+    """A CPU server's share of a step: its prompts (each rank keeps its prompts in flight even
+    over the servers, `server_dispatch`), each with its group."""
     from titan_learner.model.hf_config import learner_hf_config
 
     servers = len(config.rollout.vllm.get("servers") or [None])

@@ -1,9 +1,10 @@
 """`ServerGenerator`: the `Generator` contract on running `vllm serve` servers.
 
 Rollouts are token-in/token-out: each prompt's ids go to one server as one completions request
-for its G samples (they share the prompt's prefix cache there), prompts spread round-robin over
-the servers and sent concurrently (vLLM batches what arrives together); the sampled ids and
-their raw (temperature-1) log-probs come back, never text.
+for its G samples (they share the prompt's prefix cache there), to the server with the fewest
+of this rank's prompts in flight (`server_dispatch`), sent concurrently (vLLM batches what
+arrives together); the sampled ids and their raw (temperature-1) log-probs come back, never
+text.
 
 Weights: trainer rank 0 pushes every update to all servers at once through vLLM's RL API (one
 group: gloo on CPU, nccl on GPUs), between a pause (in-flight requests finish first) and a
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,13 +40,13 @@ from titan_learner.vllm.server_client import (
     ServerError,
     wait_until_listening,
 )
+from titan_learner.vllm.server_dispatch import prompts_in_flight, sample_on_servers
 from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
 
 if TYPE_CHECKING:
     from titan_learner.weights.local_shards import LocalShards
 
-MAX_CONCURRENT_REQUESTS = 64
 VERSION_POLL_S = 0.05
 REJECTED = "load_weights rejected the weights, nothing was sent"
 
@@ -217,10 +217,9 @@ class ServerGenerator:
             self.vocab_size,
             generator,
         )
-        first = sampling[0]["seed"] % len(self.servers)  # spread each rank's prompts differently
 
-        def sample(i: int) -> list[tuple[list[int], list[float], set[str]]]:
-            server = self.servers[(first + i) % len(self.servers)]
+        def sample(i: int, on: int) -> list[tuple[list[int], list[float], set[str]]]:
+            server = self.servers[on]
             samples = server.generate([int(t) for t in prompts[i]], sampling[i])
             if len(samples) != group_size:
                 raise ServerError(
@@ -229,11 +228,11 @@ class ServerGenerator:
                 )
             return samples
 
-        workers = min(len(prompts), MAX_CONCURRENT_REQUESTS)
-        with ThreadPoolExecutor(workers) as pool:
-            samples = [
-                s for per_prompt in pool.map(sample, range(len(prompts))) for s in per_prompt
-            ]
+        first = sampling[0]["seed"]  # each rank starts its prompts on its own server
+        per_prompt = sample_on_servers(
+            len(prompts), len(self.servers), first, sample, prompts_in_flight(group_size)
+        )
+        samples = [s for prompt_samples in per_prompt for s in prompt_samples]
         return rollout_from_lists(
             prompts,
             group_size,
