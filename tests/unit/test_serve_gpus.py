@@ -119,16 +119,19 @@ def test_the_gpu_command_parses_into_the_engine_the_job_needs(token):
     assert engine.skip_tokenizer_init
 
 
-@pytest.mark.parametrize("source", ["environment", "token_file"])
+@pytest.mark.parametrize("source", ["environment", "token_file", "token_file_beside_empty"])
 def test_dry_run_prints_a_line_a_shell_runs_as_it_is(tmp_path, source):
     """What the line starts, run by a shell with the server module swapped for a probe: the
     variables the server needs (vLLM's RL routes, the GPUs, the token: read where the line
-    runs, never printed) and the flags."""
+    runs, never printed) and the flags. An empty variable is no token: the file gives it, as
+    it does to a server started without --dry-run."""
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     sets: list[str] = ["--gpus", "4,5"]
     if source == "environment":
         env[TOKEN_ENV] = "s3cret"
     else:
+        if source == "token_file_beside_empty":
+            env[TOKEN_ENV] = ""
         (tmp_path / "token").write_text("s3cret\n")
         sets += ["--set", f'rollout.vllm.token_file="{tmp_path / "token"}"']
     done = run_serve(SERVERS_TOY, *sets, "--port", "8123", "--dry-run", env=env)

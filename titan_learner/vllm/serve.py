@@ -42,15 +42,24 @@ NO_TOKEN = (
 )
 
 
-def server_token(config: Config) -> str:
-    """The servers' bearer token: $TITAN_LEARNER_SERVER_TOKEN, else the file [rollout.vllm]
-    token_file names (never the TOML text itself: config.toml copies would carry it). Both a
-    server and the job need it, on every host: there is no unguarded server."""
-    if token := os.environ.get(TOKEN_ENV):
-        return token
+def token_file(config: Config) -> str | None:
+    """Where the servers' bearer token comes from: None for $TITAN_LEARNER_SERVER_TOKEN (set
+    and not empty), else the file [rollout.vllm] token_file names; neither is one line."""
+    if os.environ.get(TOKEN_ENV):
+        return None
     path = config.rollout.vllm.get("token_file")
     if path is None:
         raise ConfigError(NO_TOKEN, source=config.source, where="[rollout.vllm] token_file")
+    return path
+
+
+def server_token(config: Config) -> str:
+    """The servers' bearer token, from where `token_file` says (never the TOML text itself:
+    config.toml copies would carry it). Both a server and the job need it, on every host:
+    there is no unguarded server."""
+    path = token_file(config)
+    if path is None:
+        return os.environ[TOKEN_ENV]
     try:
         token = Path(path).read_text().strip()
     except OSError as err:
@@ -191,9 +200,8 @@ def dry_run_line(argv: Sequence[str], env: dict[str, str], config: Config) -> st
     variables first, then the argv. The token itself is never printed: the line reads it
     where the server starts, from the environment or the file [rollout.vllm] token_file."""
     assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k != TOKEN_ENV]
-    if TOKEN_ENV not in os.environ:  # the token came from token_file
-        path = Path(config.rollout.vllm["token_file"]).resolve()
-        assignments.append(f'{TOKEN_ENV}="$(cat {shlex.quote(str(path))})"')
+    if (path := token_file(config)) is not None:
+        assignments.append(f'{TOKEN_ENV}="$(cat {shlex.quote(str(Path(path).resolve()))})"')
     return " ".join([*assignments, shlex.join(argv)])
 
 
