@@ -74,10 +74,10 @@ def sample_on_servers(
 
     with ThreadPoolExecutor(max(1, min(prompts, in_flight_per_server * servers))) as threads:
         futures = [threads.submit(on_least_loaded, prompt) for prompt in range(prompts)]
-        _, queued = wait(futures, return_when=FIRST_EXCEPTION)
+        finished, queued = wait(futures, return_when=FIRST_EXCEPTION)
         for future in queued:
             future.cancel()
-        failed = [f.exception() for f in futures if f.done() and not f.cancelled()]
-        if error := next((e for e in failed if e is not None), None):
-            raise error
+        errors = [f.exception() for f in futures if f in finished and f.exception()]
+        if errors:
+            raise errors[0]  # the first prompt's that failed
         return [future.result() for future in futures]
