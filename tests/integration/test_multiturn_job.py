@@ -8,13 +8,15 @@ the row."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.hf_dirs import job_config, make_model_dir, write_gsm8k_jsonl
 from tests.support.worlds import run_world
-from titan_learner.config.toml import config_from_dict
+from titan_learner.config.toml import config_from_dict, config_to_toml
 from titan_learner.env.environment import EnvError
 from titan_learner.job.grpo import run
 
@@ -89,8 +91,10 @@ def multiturn_runs(rank: int, root: str) -> dict:
     results["resumed"] = run(config_from_dict(tables("resumed", 3), source), resume=True)
     tables = tables("broken", 1)
     tables["env"]["class"] = "envs.py:Broken"
+    broken = config_from_dict(tables, source)
+    (root / "broken.toml").write_text(config_to_toml(broken))  # for `train` (below)
     try:
-        run(config_from_dict(tables, source))
+        run(broken)
         results["error"] = None
     except EnvError as err:
         results["error"] = str(err)
@@ -202,3 +206,25 @@ def test_a_user_environment_that_raises_is_one_line_naming_it_and_the_row(runs):
     assert error is not None and "\n" not in error
     assert error.startswith(f"[env] class 'envs.py:Broken' raised on {root / 'train.jsonl'}:")
     assert error.endswith("at turn 1: ValueError: the simulator crashed")
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_train_stops_on_a_raising_environment_with_its_line_and_exit_2(runs, ahead):
+    """Through `titan-learner train`: that line alone, no traceback, also when the episodes
+    are sampled ahead in the rollout thread (max_off_policy_steps = 1; no evaluation, which
+    samples on the learner's thread)."""
+    root, _ = runs
+    sets = [f'run.output_dir="{root / f"cli{ahead}"}"', f"rollout.max_off_policy_steps={ahead}"]
+    sets += ["data.eval_files=[]"] if ahead else []
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_learner", "train", "--config", str(root / "broken.toml")]
+        + [arg for s in sets for arg in ("--set", s)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: [env] class 'envs.py:Broken' raised on {root}/train.jsonl:")
+    assert line.endswith("at turn 1: ValueError: the simulator crashed"), line

@@ -141,9 +141,11 @@ def console() -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """What `train` reports as one line and exit 2: bad config, data, rewards, checkpoint, a
-    rollout server that is down or refuses, a vLLM engine that does not start."""
+    user environment that raises, a rollout server that is down or refuses, a vLLM engine
+    that does not start."""
     from titan_learner.checkpoint.errors import CheckpointError
     from titan_learner.data.errors import DataError
+    from titan_learner.env.environment import EnvError
     from titan_learner.rewards.loading import RewardLoadError
     from titan_learner.rewards.runner import RewardError
     from titan_learner.vllm.errors import EngineStartError
@@ -155,6 +157,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         RewardError,
         RewardLoadError,
         CheckpointError,
+        EnvError,
         ServerError,
         EngineStartError,
     )
@@ -166,6 +169,7 @@ def _train(args: argparse.Namespace) -> int:
     from titan_learner.config.toml import load_config
     from titan_learner.job.grpo import run
     from titan_learner.job.preemption import Preempted
+    from titan_learner.rollout.pipeline import GeneratorFailed
 
     try:
         run(
@@ -180,6 +184,12 @@ def _train(args: argparse.Namespace) -> int:
             dist.barrier()
     except _user_errors() as err:
         return user_error(err)
+    except GeneratorFailed as err:
+        # Sampled ahead (max_off_policy_steps > 0), a server that died or a reward that
+        # failed raises in the rollout thread: the same one line as on the learner's thread.
+        if not isinstance(err.__cause__, _user_errors()):
+            raise
+        return user_error(err.__cause__)
     except (KeyboardInterrupt, Preempted) as err:
         if os.environ.get("RANK", "0") == "0":
             why = "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err)
