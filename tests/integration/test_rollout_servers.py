@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,23 @@ def start_server(root: Path, url: str, i: int, log: str = "w") -> subprocess.Pop
 
 def server_logs(root: Path) -> list[Path]:
     return [root / f"server{i}.log" for i in range(2)]
+
+
+def still_running(processes: list, timeout_s: float) -> list:
+    """Those of `processes` (psutil's) that still run after up to `timeout_s` (a zombie is
+    done: a container's init may be slow to reap it)."""
+    import psutil
+
+    def runs(process) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while any(map(runs, processes)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [process for process in processes if runs(process)]
 
 
 def authorized() -> dict:
@@ -533,6 +551,7 @@ def test_a_server_killed_mid_run_is_one_line_and_resume_repeats_the_run_exactly(
     # (2 prompts x 4 completions each); the 21st is step 3's first
     (root / "killer.py").write_text(KILLER.replace("KILL_AT", "21"))
     (root / "kill.pid").write_text(str(processes[1].pid))
+    engines = engine_cores(processes[1])
     crash = tables(root, urls, steps=3)
     crash["run"]["output_dir"] = str(root / "crash")
     crash["checkpoint"] = {"interval": 1}
@@ -549,6 +568,8 @@ def test_a_server_killed_mid_run_is_one_line_and_resume_repeats_the_run_exactly(
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"error: rollout server {urls[1]} "), output
     assert "titan_learner/" not in output, "no traceback through the project's code"
+    # its engine core exits with it (vLLM 0.32's would keep the memory a restart needs)
+    assert len(engines) == 1 and still_running(engines, timeout_s=30) == [], engines
     assert (root / "crash/checkpoints/latest").read_text().strip() == "step-2"
     (root / "kill.pid").unlink()
     processes[1] = start_server(root, urls[1], 1, log="a")

@@ -7,8 +7,9 @@ started with `weight_transfer_config={"backend": "gloo"}` finds the backend with
 ours on its command line. The trainer calls it too before it asks the trainer factory. vLLM may
 load plugins more than once in a process: registering is idempotent. It also makes a refused
 weight update one line in that process's log (`refusals`), drops the warning vLLM's reload logs
-for the rotary embedding on every update (`reload_log`), and, on a CPU platform, keeps vLLM's
-processes from spinning a core the trainer needs while they wait (`cpu_spin`).
+for the rotary embedding on every update (`reload_log`), on a CPU platform keeps vLLM's
+processes from spinning a core the trainer needs while they wait (`cpu_spin`), and makes each
+engine core exit when the process that started it dies, SIGKILL included (`orphan_guard`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ def register() -> None:
     )
 
     from titan_learner.vllm.cpu_spin import cap_busy_wait
+    from titan_learner.vllm.orphan_guard import exit_with_parent
     from titan_learner.vllm.refusals import quiet_refusals
     from titan_learner.vllm.reload_log import quiet_rotary_reload
 
     quiet_refusals()
     quiet_rotary_reload()
     cap_busy_wait()
+    exit_with_parent()
 
     if GLOO not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
