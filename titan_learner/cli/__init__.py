@@ -185,8 +185,8 @@ def _train(args: argparse.Namespace) -> int:
     except _user_errors() as err:
         return user_error(err)
     except GeneratorFailed as err:
-        # Sampled ahead (max_off_policy_steps > 0), a server that died or a reward that
-        # failed raises in the rollout thread: the same one line as on the learner's thread.
+        # Sampled ahead (max_off_policy_steps > 0), a server that died or an environment that
+        # raised fails the rollout thread: the same one line as on the learner's thread.
         if not isinstance(err.__cause__, _user_errors()):
             raise
         return user_error(err.__cause__)
