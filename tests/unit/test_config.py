@@ -721,7 +721,16 @@ def test_shipped_config_passes_check(capsys, path):
     code, out, err = run_check(capsys, "--config", str(path), "--world-size", str(world))
     assert (code, err) == (0, ""), err
     assert f"world size: {world}   mesh: " in out
-    assert "\nparameters: " in out
+    assert_parameter_count_reads(out)
+
+
+def assert_parameter_count_reads(out: str) -> None:
+    """The count is given in full and as people say it, B from a billion and M below: a toy's
+    0.13 M, never 0.00 B."""
+    count, value, unit = re.search(r"\nparameters: ([\d,]+) \((\d+\.\d\d) ([MB])\)\n", out).groups()
+    count = int(count.replace(",", ""))
+    assert unit == ("B" if count >= 10**9 else "M")
+    assert float(value) == round(count / (1e9 if unit == "B" else 1e6), 2) > 0
 
 
 def test_world_size_comment_convention(tmp_path):

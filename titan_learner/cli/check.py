@@ -112,7 +112,7 @@ def render(config: Config, p: Plan) -> str:
     lines += [
         "",
         f"world size: {v.world_size}   mesh: {mesh}",
-        f"parameters: {v.parameters:,} ({v.parameters / 1e9:.2f} B)",
+        f"parameters: {v.parameters:,} ({_count(v.parameters)})",
         "memory per rank (fp32 masters, gradients and Adam moments, and any frozen copies: the "
         "KL reference, weights kept for stale steps; sharded over dp_shard x tp; activations "
         "excluded; vllm: a colocated engine's weights and KV cache):",
@@ -129,3 +129,8 @@ def render(config: Config, p: Plan) -> str:
 
 def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024**2:.2f} MiB"
+
+
+def _count(n: int) -> str:
+    """A parameter count as people say it: 8.03 B, 1.72 B, 0.13 M (a toy's 0.00 B says nothing)."""
+    return f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M"
