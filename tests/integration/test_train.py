@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,7 +238,9 @@ def training_lines(output_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_sigterm_saves_the_step_and_resume_continues_exactly(tmp_path):
     """Slurm's and Kubernetes' SIGTERM: the step finishes, a checkpoint is written, exit 0 with
-    one line; --resume then continues exactly like a run that was never stopped."""
+    one line; --resume then continues exactly like a run that was never stopped. Sent as `srun
+    torchrun` delivers it: to every process of the job, the reward workers too, and twice (Slurm
+    signals the rank, and torchrun forwards its own)."""
     import signal
     import time
 
@@ -250,11 +253,13 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(tmp_path):
         [sys.executable, "-m", "titan_learner", "train", *common,
          "--set", "run.steps=200", "--set", f'run.output_dir="{cut}"'],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 240
     while len(training_lines(cut)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err
     stopped = len(training_lines(cut))

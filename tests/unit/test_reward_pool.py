@@ -5,6 +5,9 @@ running normalizer's statistics."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import time
 
 import torch
@@ -147,3 +150,61 @@ def test_a_pool_dropped_without_close_stops_its_workers(tmp_path):
     del rewards
     gc.collect()
     assert not any(p.is_alive() for p in processes)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_take_sigterm_from_the_job_alone(tmp_path):
+    """Slurm's SIGTERM reaches every process of the job step, Ctrl-C every process of the
+    terminal's group: the workers ignore both (the job is finishing its step and needs them),
+    and still end on the job's own SIGTERM (multiprocessing's terminate at the job's exit)."""
+    rewards, _ = rewards_of(tmp_path, [{"function": "math", "workers": 2}])
+    try:
+        before = run_score(rewards).total
+        processes = [worker.process for worker in rewards[0].pool.workers]
+        pids = [str(p.pid) for p in processes]
+        for name in ("TERM", "INT", "TERM"):  # sent by another process, as slurmstepd does
+            subprocess.run(["kill", f"-{name}", *pids], check=True)
+        time.sleep(1.0)
+        assert all(p.is_alive() for p in processes)
+        assert torch.equal(run_score(rewards).total, before)
+        processes[0].terminate()  # SIGTERM from the job
+        processes[0].join(timeout=10)
+        assert processes[0].exitcode is not None and processes[1].is_alive()
+    finally:
+        close_rewards(rewards)
+
+
+def test_workers_end_when_the_job_is_killed(tmp_path):
+    """A job killed outright (SIGKILL, the OOM killer) leaves no reward worker behind."""
+    job = textwrap.dedent(
+        f"""
+        import sys, time
+        from titan_learner.config.toml import config_from_dict
+        from titan_learner.rewards.runner import build_rewards, score
+        config = config_from_dict({{"reward": [{{"function": "math", "workers": 2}}]}},
+                                  source={str(tmp_path / "run.toml")!r})
+        [reward] = build_rewards(config, say=print)
+        score([reward], ["p"], ["\\boxed{{72}}"], [{{"answer": "72"}}], ["t:1"])
+        print(*[w.process.pid for w in reward.pool.workers], flush=True)
+        time.sleep(600)
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in process.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    finally:
+        process.kill()
+        process.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)

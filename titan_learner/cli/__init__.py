@@ -168,7 +168,6 @@ def _train(args: argparse.Namespace) -> int:
 
     from titan_learner.config.toml import load_config
     from titan_learner.job.grpo import run
-    from titan_learner.job.preemption import Preempted
     from titan_learner.rollout.pipeline import GeneratorFailed
 
     try:
@@ -190,10 +189,11 @@ def _train(args: argparse.Namespace) -> int:
         if not isinstance(err.__cause__, _user_errors()):
             raise
         return user_error(err.__cause__)
-    except (KeyboardInterrupt, Preempted) as err:
+    except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
-            why = "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err)
-            print(f"stopped: {why}; the last checkpoint is unchanged", file=sys.stderr)
+            print(
+                "stopped: interrupted (Ctrl-C); the last checkpoint is unchanged", file=sys.stderr
+            )
         return INTERRUPTED
     finally:
         if dist.is_initialized():

@@ -1,9 +1,11 @@
 """SIGTERM (what Slurm and Kubernetes send before they kill a job) ends the run cleanly.
 
-The first SIGTERM lets the current step finish; the job then writes a checkpoint and exits 0
-with one line saying where. A second SIGTERM, or a SIGINT (Ctrl-C), stops at once (the last
-checkpoint stays as it is). Every rank decides together: the request is all-reduced once per
-step, so all ranks save the same step even if only one was signalled.
+SIGTERM lets the current step finish; the job then writes a checkpoint and exits 0 with one line
+saying where. Every SIGTERM after the first is the same request: Slurm signals every process of
+a job step and torchrun forwards the signal it gets to its ranks, so under `srun torchrun` each
+rank receives two at once, and neither may cost the save. Ctrl-C (SIGINT) stops at once, with the
+last checkpoint as it is. Every rank decides together: the request is all-reduced once per step,
+so all ranks save the same step even if only one was signalled.
 """
 
 from __future__ import annotations
@@ -14,10 +16,6 @@ from types import FrameType
 
 import torch
 import torch.distributed as dist
-
-
-class Preempted(Exception):
-    """Raised by a second SIGTERM: stop now."""
 
 
 class PreemptionGuard:
@@ -38,8 +36,6 @@ class PreemptionGuard:
             self._previous = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            raise Preempted("a second SIGTERM: stopped at once")
         self.requested = True
 
     def stop_now(self, device: torch.device) -> bool:

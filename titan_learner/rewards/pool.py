@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -52,7 +54,18 @@ def _module_files(function: Callable) -> list[tuple[str, str]]:
 
 
 def _serve(conn: Connection, payload: bytes, files: list[tuple[str, str]]) -> None:
-    """A worker: load the reward, then call it on each chunk it is sent until told to stop."""
+    """A worker: load the reward, then call it on each chunk it is sent until told to stop.
+
+    The job owns the worker's life: it stops it, kills it past a timeout, and its end closes the
+    pipe, which ends the worker too. Slurm signals every process of a job step, and Ctrl-C every
+    process of the terminal's group: a worker that died of that SIGTERM would fail the step the
+    job is finishing before it saves its checkpoint. So a worker takes SIGTERM from the job alone
+    (multiprocessing's own at the job's exit: `_obey_only`) and ignores SIGINT. SIGTERM is blocked
+    before the reward is loaded, so every thread the reward starts inherits the block (a thread
+    that did not could take the signal, and its default action ends the process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_obey_only, args=(os.getppid(),), daemon=True).start()
     try:
         for module_name, path in files:
             load_module_file(module_name, path)
@@ -61,7 +74,7 @@ def _serve(conn: Connection, payload: bytes, files: list[tuple[str, str]]) -> No
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return
     conn.send(("ready", None))
-    while (message := conn.recv()) is not None:
+    while (message := _next(conn)) is not None:
         start, items = message
         for offset, item in enumerate(items):
             try:
@@ -73,6 +86,21 @@ def _serve(conn: Connection, payload: bytes, files: list[tuple[str, str]]) -> No
             except Exception:  # a value that cannot be pickled back
                 value = result[1]
                 conn.send((start + offset, ("ok", f"<a {type(value).__name__}>")))
+
+
+def _obey_only(job: int) -> None:
+    """Ends the worker on a SIGTERM that process `job` sent; any other sender's is dropped."""
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != job:
+        pass
+    os._exit(0)
+
+
+def _next(conn: Connection) -> tuple[int, list] | None:
+    """The next chunk, or None: told to stop, or the job is gone (its end of the pipe closed)."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
 
 
 class _Worker:
