@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import running
+
 PARENT = """
 import multiprocessing, sys, time
 from titan_learner.vllm.orphan_guard import exit_with_parent
@@ -29,15 +31,6 @@ if __name__ == "__main__":
     print(child.pid, flush=True)
     time.sleep(600)
 """
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a container's init may be slow to reap one)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def orphan(tmp_path: Path, method: str, name: str) -> int:

@@ -1,7 +1,8 @@
 """Rule rewards and user functions over worker processes: the same scores as in this process,
 a hung call stopped (its worker replaced) without holding up the rest, a dead worker reported
-on its row, a function that cannot be pickled kept in this process and said once; and the
-running normalizer's statistics."""
+on its row, a function that cannot be pickled kept in this process and said once, workers that
+take SIGTERM from the job alone and end when the job is killed; and the running normalizer's
+statistics."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import torch
 
+from tests.support.processes import running
 from titan_learner.config.toml import config_from_dict
 from titan_learner.rewards.normalize import RunningNorm
 from titan_learner.rewards.runner import build_rewards, close_rewards, score
@@ -152,15 +154,6 @@ def test_a_pool_dropped_without_close_stops_its_workers(tmp_path):
     assert not any(p.is_alive() for p in processes)
 
 
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_workers_take_sigterm_from_the_job_alone(tmp_path):
     """Slurm's SIGTERM reaches every process of the job step, Ctrl-C every process of the
     terminal's group: the workers ignore both (the job is finishing its step and needs them),
@@ -200,11 +193,11 @@ def test_workers_end_when_the_job_is_killed(tmp_path):
     process = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(pid) for pid in process.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        assert len(pids) == 2 and all(running(pid) for pid in pids)
     finally:
         process.kill()
         process.wait()
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(running(pid) for pid in pids)
