@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.vllm import needs_vllm, vllm_job_config, write_vllm_job_files
 from tests.support.worlds import run_world
-from titan_learner.config.toml import config_from_dict
+from titan_learner.config.toml import config_from_dict, config_to_toml
 from titan_learner.job.grpo import run
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -84,3 +89,34 @@ def test_the_engine_samples_one_version_ahead_in_the_pipeline_thread(job):
     # the engine vs the learner under the same weights, also on stale steps (kept for them) ...
     assert all(m["logprob_mismatch_max"] < 1e-5 for m in ahead), ahead
     assert all(abs(m["kl_approx"]) > 1e-6 for m in ahead[1:])  # ... where the learner moved on
+
+
+def test_slurms_sigterm_to_every_process_saves_the_step_the_engine_is_sampling(tmp_path):
+    """SIGTERM as `srun torchrun` delivers it: to every process of the job, the vLLM engine's
+    processes too, and twice (Slurm's, then torchrun's forwarding). The engine keeps serving
+    its trainer, which finishes the step, saves it and exits 0; before, vLLM took the signal as
+    its own shutdown and the step failed with EngineDeadError, nothing saved."""
+    model = write_vllm_job_files(tmp_path)
+    tables = vllm_job_config(tmp_path, model, steps=200)
+    tables["eval"]["every_steps"] = 0
+    config = tmp_path / "run.toml"
+    config.write_text(config_to_toml(config_from_dict(tables, str(config))))
+    metrics = tmp_path / "run" / "out" / "metrics.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "titan_learner", "train", "--config", str(config)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and metrics.read_text().count("training/reward_mean") >= 2:
+            break
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, out[-3000:]
+    saved = (tmp_path / "run" / "out" / "checkpoints" / "latest").read_text().strip()
+    assert f"preempted (SIGTERM): saved step {saved.removeprefix('step-')} to " in out
+    assert "SIGTERM ignored: this engine stops when its trainer stops it" in out
+    assert "EngineDeadError" not in out

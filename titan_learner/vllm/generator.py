@@ -24,6 +24,7 @@ from titan_learner.rollout.base import (
 from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
 from titan_learner.vllm.engine_memory import GPU_ENGINE_SHARE
 from titan_learner.vllm.errors import engine_start_error
+from titan_learner.vllm.parent_signals import hold_engine
 from titan_learner.vllm.plugin import register
 from titan_learner.weights.matching import match_named_tensors
 
@@ -180,7 +181,9 @@ class VLLMGenerator:
             from titan_learner.vllm.ipc_trainer import allow_ipc_handles
 
             allow_ipc_handles()  # the engine core reads it once, as it starts
-        with engine_gpu(device if one_gpu else None):
+        # held: the engine stops when this process stops it (`close`, or at exit), not on the
+        # job's SIGTERM while this process finishes its step and saves (parent_signals)
+        with engine_gpu(device if one_gpu else None), hold_engine() as self._hold:
             try:
                 self.llm = vllm.LLM(
                     model=model_path,
@@ -218,6 +221,7 @@ class VLLMGenerator:
         """Stop the engine's processes now; otherwise they live until this object is collected
         (idempotent)."""
         self._transfer.close()
+        self._hold.release()
         self.llm.llm_engine.engine_core.shutdown()
 
     def generate(

@@ -9,7 +9,9 @@ load plugins more than once in a process: registering is idempotent. It also mak
 weight update one line in that process's log (`refusals`), drops the warning vLLM's reload logs
 for the rotary embedding on every update (`reload_log`), on a CPU platform keeps vLLM's
 processes from spinning a core the trainer needs while they wait (`cpu_spin`), and makes each
-engine core exit when the process that started it dies, SIGKILL included (`orphan_guard`).
+engine core exit when the process that started it dies, SIGKILL included (`orphan_guard`), and
+makes a trainer's engine stop when that trainer stops it, not on the SIGTERM Slurm sends every
+process of a job before the trainer has saved (`parent_signals`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def register() -> None:
 
     from titan_learner.vllm.cpu_spin import cap_busy_wait
     from titan_learner.vllm.orphan_guard import exit_with_parent
+    from titan_learner.vllm.parent_signals import take_signals_from_parent
     from titan_learner.vllm.refusals import quiet_refusals
     from titan_learner.vllm.reload_log import quiet_rotary_reload
 
@@ -33,6 +36,7 @@ def register() -> None:
     quiet_rotary_reload()
     cap_busy_wait()
     exit_with_parent()
+    take_signals_from_parent()
 
     if GLOO not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
