@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,39 @@ def test_every_route_but_health_needs_the_token(servers):
         paused = requests.get(f"{url}/is_paused", headers=authorized(), timeout=10).json()
         assert paused == {"is_paused": False}, "the refused /pause changed nothing"
         assert served(url) == before, "the refused weight routes changed nothing"
+
+
+def test_a_request_the_server_aborts_is_one_line_not_a_cut_completion_trained_as_whole(servers):
+    """vLLM answers a request it aborted (its shutdown, or `/pause` in its default mode, abort,
+    called by anyone with the token) with the tokens sampled so far: the job must stop, not
+    train them as a completion."""
+    from titan_learner.vllm.server_client import ServerClient, ServerError
+
+    _, urls, _ = servers
+    url = urls[0]
+    client = ServerClient(url, token=TOKEN, timeout_s=60)
+    sampling = {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    sampling["detokenize"] = False
+    client.pause()  # keep: the request waits in the queue
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.generate, [5, 6, 7], sampling)
+            time.sleep(1.0)
+            assert not waiting.done()
+            aborted = requests.post(
+                f"{url}/pause", params={"mode": "abort"}, headers=authorized(), timeout=30
+            )
+            assert aborted.status_code == 200, aborted.text
+            with pytest.raises(ServerError) as raised:
+                waiting.result(timeout=60)
+    finally:
+        client.resume()
+    assert str(raised.value) == (
+        f"rollout server {url} aborted a request of this step (it is shutting down, or its "
+        "/pause or /abort_requests was called without the job); nothing of this step is "
+        "trained: a cut completion would be trained as if it were whole"
+    )
+    assert len(client.generate([5, 6, 7], sampling)[0][0]) == 6  # resumed, it samples again
 
 
 def test_a_server_that_runs_otherwise_than_the_job_needs_is_one_line_before_any_transfer(
@@ -473,6 +507,7 @@ def test_servers_whose_engines_do_not_answer_are_one_line_when_the_job_connects(
 
 KILLER = """
 import os, signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).parent

@@ -14,6 +14,7 @@ computes; a damaged or mismatched update must leave it serving what it served.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -212,6 +213,24 @@ def check_serves_the_learners_weights(learner, engine, sink) -> None:
     torch.testing.assert_close(
         log_probs[real], expected_log_probs[real], atol=LOG_PROB_TOLERANCE, rtol=0
     )
+
+
+def test_a_request_the_engine_aborts_stops_the_rollout_it_would_have_cut(engine):
+    """vLLM answers a request it aborted (its shutdown aborts those in flight) with the tokens
+    sampled so far: the rollout must fail, not hand them on as completions."""
+    core = engine.llm.llm_engine.engine_core
+    core.call_utility("pause_scheduler", "keep", False)  # the requests wait in the queue
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(sample, engine, 3)
+            time.sleep(2.0)
+            assert not waiting.done()
+            core.call_utility("pause_scheduler", "abort", False)
+            with pytest.raises(RuntimeError, match=r"^the vLLM engine aborted a request of this"):
+                waiting.result(timeout=60)
+    finally:
+        core.call_utility("resume_scheduler")
+    assert sample(engine, 3).completion_tokens.shape[0] == 6 * G  # resumed, it samples again
 
 
 def test_a_pushed_update_serves_what_transformers_computes(learner, engine):

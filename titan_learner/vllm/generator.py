@@ -258,6 +258,12 @@ class VLLMGenerator:
             if len(samples) != group_size:
                 raise RuntimeError(f"vLLM returned {len(samples)} samples, asked for {group_size}")
             for sample in samples:
+                if sample.finish_reason == "abort":
+                    raise RuntimeError(
+                        "the vLLM engine aborted a request of this step (it is shutting down: "
+                        "its log says why); nothing of this step is trained: a cut completion "
+                        "would be trained as if it were whole"
+                    )
                 ids = list(sample.token_ids)
                 if sample.logprobs is None or len(sample.logprobs) != len(ids):
                     raise RuntimeError("vLLM returned no log-prob for some sampled token")

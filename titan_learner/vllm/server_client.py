@@ -215,6 +215,13 @@ class ServerClient:
         )
         samples = []
         for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            if choice.get("finish_reason") == "abort":
+                raise ServerError(
+                    f"rollout server {self.url} aborted a request of this step (it is shutting "
+                    "down, or its /pause or /abort_requests was called without the job); "
+                    "nothing of this step is trained: a cut completion would be trained as if "
+                    "it were whole"
+                )
             ids = [int(t) for t in choice["token_ids"]]
             log_probs = [
                 float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []
