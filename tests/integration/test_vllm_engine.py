@@ -13,8 +13,11 @@ computes; a damaged or mismatched update must leave it serving what it served.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,14 +81,21 @@ def engine(tmp_path_factory):
     learner's config.json alone, vLLM's dummy weights: the first push must replace them), whose
     weight transfer is gloo, named: the learner's tensors are on the CPU, and on a GPU machine
     "auto" would pick ipc (CUDA tensors only)."""
+    generator = gloo_engine(tmp_path_factory.mktemp("cache"))
+    assert generator.weight_transfer == "gloo"
+    yield generator
+    generator.close()
+
+
+def gloo_engine(cache: Path):
     from titan_learner.vllm.engine_model import engine_model
     from titan_learner.vllm.generator import VLLMGenerator
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("XDG_CACHE_HOME", str(cache))
         path, model_arguments = engine_model(learner_config())
     assert model_arguments == {"load_format": "dummy"}
-    generator = VLLMGenerator(
+    return VLLMGenerator(
         path,
         **model_arguments,
         eos_id=EOS_ID,
@@ -97,9 +107,6 @@ def engine(tmp_path_factory):
         max_model_len=64,
         kv_cache_memory_bytes=64 << 20,
     )
-    assert generator.weight_transfer == "gloo"
-    yield generator
-    generator.close()
 
 
 def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -231,6 +238,30 @@ def test_a_request_the_engine_aborts_stops_the_rollout_it_would_have_cut(engine)
     finally:
         core.call_utility("resume_scheduler")
     assert sample(engine, 3).completion_tokens.shape[0] == 6 * G  # resumed, it samples again
+
+
+def test_an_engine_that_dies_during_an_update_fails_the_push_instead_of_hanging(learner, tmp_path):
+    """vLLM 0.32 never answers a control call whose engine core died after receiving it: the
+    job would wait for good. The engine is stopped (SIGSTOP) so that the update's first call
+    is in flight when it is killed."""
+    engine = gloo_engine(tmp_path)
+    core = engine.llm.llm_engine.engine_core.resources.engine_manager.processes[0]
+    try:
+        os.kill(core.pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            pushing = pool.submit(push_weights, learner, GeneratorSink(engine), BUCKET, dtype=F32)
+            time.sleep(2.0)
+            assert not pushing.done()
+            os.kill(core.pid, signal.SIGKILL)
+            with pytest.raises(RuntimeError) as raised:
+                pushing.result(timeout=60)
+    finally:
+        engine.close()
+    assert str(raised.value) == (
+        "the vLLM engine's process exited before its start_weight_update call returned (its "
+        "log above says why); the weights were not sent, and the run stops with its saved "
+        "checkpoints as they are"
+    )
 
 
 def test_a_pushed_update_serves_what_transformers_computes(learner, engine):

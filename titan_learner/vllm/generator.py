@@ -219,10 +219,13 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """Stop the engine's processes now; otherwise they live until this object is collected
-        (idempotent)."""
-        self._transfer.close()
+        (idempotent). An engine whose process died is past telling its side of the transfer
+        anything: the call would raise, in place of the error that ends the run."""
+        core = self.llm.llm_engine.engine_core
+        if not getattr(getattr(core, "resources", None), "engine_dead", False):
+            self._transfer.close()
         self._hold.release()
-        self.llm.llm_engine.engine_core.shutdown()
+        core.shutdown()
 
     def generate(
         self,

@@ -16,7 +16,8 @@ too in its workers where they are processes of their own (vLLM's multiprocessing
 CPU, and tensor parallel on GPUs), which end when their engine core does. A
 signal carries no sender here (CPython does not pass it to handlers, and a thread mask cannot
 route it: native thread pools started before any code of ours takes signals too), so the hold
-is what tells the trainer's own stop from the job's.
+is what tells the trainer's own stop from the job's. An engine core holds its workers the same
+way, released when it stops (vLLM then terminates them, also after a failed start).
 
 An engine core started otherwise (a `titan-learner serve` server, whose API server stops its
 engine itself; someone else's `vllm.LLM`) keeps vLLM's handling.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import tempfile
@@ -56,8 +58,12 @@ class EngineHold:
         name = f"titan-learner-engine-hold-{os.getpid()}-{uuid.uuid4().hex}"
         self.path = Path(tempfile.gettempdir()) / name
         self.path.touch()
-        # atexit runs the newest first: this runs before vLLM's finalizers, registered earlier
+        # At exit, released before the held processes are stopped: atexit runs the newest
+        # first (vLLM's finalizers were registered earlier), and multiprocessing's exit, which
+        # terminates its daemon children (an engine core's workers), first runs finalizers of
+        # priority >= 0 (its children exit through it, not through atexit).
         atexit.register(self.release)
+        multiprocessing.util.Finalize(None, self.release, exitpriority=100)
 
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -96,6 +102,10 @@ def take_signals_from_parent() -> None:
     parent = os.getppid()  # the trainer, or the worker's engine core
     hold = Path(path)
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    # this process holds the processes it starts in turn (an engine core its workers) until it
+    # stops itself: vLLM's terminate of its workers, at its shutdown or a failed start, works
+    own = EngineHold()
+    os.environ[HOLD_ENV] = str(own.path)
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if hold.exists() and os.getppid() == parent:
@@ -104,6 +114,7 @@ def take_signals_from_parent() -> None:
                 signal.Signals(signum).name,
             )
             return
+        own.release()
         handler = handlers[signum]
         if callable(handler):
             handler(signum, frame)

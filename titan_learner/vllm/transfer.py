@@ -9,7 +9,9 @@ calls (a `vllm.LLM` does), and sends one export per `send(named, version)`.
 
 from __future__ import annotations
 
+import threading
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,25 +40,66 @@ def trainer_init_info(backend: str, workers: int, address: str = "127.0.0.1") ->
     raise ValueError(f"no trainer init info for weight transfer backend {backend!r}")
 
 
+ENGINE_POLL_S = 0.5
+"""How often a control call in flight asks whether its engine's process is still there."""
+
+
 class OfflineClient:
     """vLLM's four control calls on an in-process `vllm.LLM` (its RL mixin takes requests
-    wrapped as `{"init_info": ...}` / `{"update_info": ...}`; trainer engines pass the info)."""
+    wrapped as `{"init_info": ...}` / `{"update_info": ...}`; trainer engines pass the info).
+
+    Each call fails once the engine's process is gone: vLLM 0.32 never answers a call its
+    engine core died after receiving (the client's future waits for good, and the job with
+    it), so the call runs on a helper thread while this one watches vLLM's own dead-engine
+    flag."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self._while_alive(self.llm.init_weight_transfer_engine, {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        self._while_alive(self.llm.start_weight_update)
 
     def update_weights(self, update_info: Any) -> None:
-        self.llm.update_weights({"update_info": update_info})
+        self._while_alive(self.llm.update_weights, {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self._while_alive(self.llm.finish_weight_update, weight_version)
+        self._while_alive(self.llm.reset_prefix_cache)  # cached KV was of the old weights
+
+    def _while_alive(self, call: Callable[..., Any], *args: Any) -> Any:
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        if resources is None:  # the engine runs in this process: nothing to outlive
+            return call(*args)
+        if resources.engine_dead:
+            raise self._gone(call)
+        done, outcome = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = call(*args)
+            except BaseException as err:
+                outcome["error"] = err
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="titan-learner-engine-call", daemon=True).start()
+        while not done.wait(ENGINE_POLL_S):
+            if resources.engine_dead:
+                raise self._gone(call)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+
+    @staticmethod
+    def _gone(call: Callable[..., Any]) -> RuntimeError:
+        return RuntimeError(
+            f"the vLLM engine's process exited before its {call.__name__} call returned (its "
+            "log above says why); the weights were not sent, and the run stops with its saved "
+            "checkpoints as they are"
+        )
 
 
 class EngineWeightTransfer:
