@@ -52,7 +52,9 @@ _log = logging.getLogger("vllm.titan_learner")
 
 
 class EngineHold:
-    """The trainer's side: the hold file, and its release (idempotent)."""
+    """A hold: a file that exists until `release` (idempotent). The engine processes started
+    while its path is in the environment (`HOLD_ENV`) take SIGTERM and SIGINT only once it is
+    gone, or once the process that started them is."""
 
     def __init__(self) -> None:
         name = f"titan-learner-engine-hold-{os.getpid()}-{uuid.uuid4().hex}"
