@@ -8,7 +8,8 @@ import random
 SENSORS = "abcdefghij"
 _READINGS = random.Random(37)
 """One seeded stream for every call: a run's readings repeat when its calls come in the same
-order (the config answers calls on one thread)."""
+order (the config answers calls on one thread). It is this process's state, not the job's: a
+resumed run starts it afresh, so its readings part from the uninterrupted run's."""
 
 
 def lookup(key: str) -> str:
