@@ -221,11 +221,13 @@ class VLLMGenerator:
         """Stop the engine's processes now; otherwise they live until this object is collected
         (idempotent). An engine whose process died is past telling its side of the transfer
         anything: the call would raise, in place of the error that ends the run."""
-        core = self.llm.llm_engine.engine_core
-        if not getattr(getattr(core, "resources", None), "engine_dead", False):
+        from titan_learner.vllm.transfer import engine_resources
+
+        resources = engine_resources(self.llm)
+        if resources is None or not resources.engine_dead:
             self._transfer.close()
         self._hold.release()
-        core.shutdown()
+        self.llm.llm_engine.engine_core.shutdown()
 
     def generate(
         self,

@@ -44,6 +44,12 @@ ENGINE_POLL_S = 0.5
 """How often a control call in flight asks whether its engine's process is still there."""
 
 
+def engine_resources(llm: Any) -> Any:
+    """vLLM's record of a `vllm.LLM`'s engine process (its `engine_dead` flag), or None for an
+    engine that runs in this process."""
+    return getattr(llm.llm_engine.engine_core, "resources", None)
+
+
 class OfflineClient:
     """vLLM's four control calls on an in-process `vllm.LLM` (its RL mixin takes requests
     wrapped as `{"init_info": ...}` / `{"update_info": ...}`; trainer engines pass the info).
@@ -70,7 +76,7 @@ class OfflineClient:
         self._while_alive(self.llm.reset_prefix_cache)  # cached KV was of the old weights
 
     def _while_alive(self, call: Callable[..., Any], *args: Any) -> Any:
-        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        resources = engine_resources(self.llm)
         if resources is None:  # the engine runs in this process: nothing to outlive
             return call(*args)
         if resources.engine_dead:
