@@ -11,13 +11,14 @@ So the trainer holds its engine (`hold_engine`): a file, named to the engine cor
 environment, that exists from before the engine starts until the trainer lets it go
 (`EngineHold.release`: its `close`, or at exit before vLLM's own shutdown runs). In that engine
 core, SIGTERM and SIGINT go to vLLM's handler only once the hold is released or the trainer is
-gone (the orphan guard's SIGTERM); before that they are dropped, with one line in the log. So
-too in its workers where they are processes of their own (vLLM's multiprocessing executor: on
-CPU, and tensor parallel on GPUs), which end when their engine core does. A
+gone (the orphan guard's SIGTERM); before that they are dropped, with one line in the log. A
 signal carries no sender here (CPython does not pass it to handlers, and a thread mask cannot
 route it: native thread pools started before any code of ours takes signals too), so the hold
-is what tells the trainer's own stop from the job's. An engine core holds its workers the same
-way, released when it stops (vLLM then terminates them, also after a failed start).
+is what tells the trainer's own stop from the job's.
+
+Where vLLM runs the workers as processes of their own (its multiprocessing executor: on CPU,
+and tensor parallel on GPUs), the engine core holds them the same way, and releases them when
+it stops (vLLM then terminates them, also after a failed start).
 
 An engine core started otherwise (a `titan-learner serve` server, whose API server stops its
 engine itself; someone else's `vllm.LLM`) keeps vLLM's handling.
@@ -65,11 +66,12 @@ class EngineHold:
         # terminates its daemon children (an engine core's workers), first runs finalizers of
         # priority >= 0 (its children exit through it, not through atexit).
         atexit.register(self.release)
-        multiprocessing.util.Finalize(None, self.release, exitpriority=100)
+        self._at_exit = multiprocessing.util.Finalize(None, self.release, exitpriority=100)
 
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
         atexit.unregister(self.release)
+        self._at_exit.cancel()  # no longer needed at exit: multiprocessing's registry forgets it
 
 
 @contextmanager
