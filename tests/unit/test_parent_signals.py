@@ -8,6 +8,7 @@ tests/integration/test_vllm_job.py."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ if __name__ == "__main__":
     with hold as held:
         child = multiprocessing.get_context("spawn").Process(target=engine, name="EngineCore")
         child.start()
-    print(child.pid, flush=True)
+    print(child.pid, held.path if held else "", flush=True)
     sys.stdin.readline()  # the test has signalled the engine from outside
     if held is not None:
         held.release()
@@ -43,7 +44,8 @@ if __name__ == "__main__":
 """
 
 
-def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, int]:
+def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, int, str]:
+    """The trainer, its engine's pid and the hold's path ("" unheld)."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     trainer = subprocess.Popen(
@@ -51,15 +53,15 @@ def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, int]:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
-    engine = int(trainer.stdout.readline())
+    engine, hold = trainer.stdout.readline().rstrip("\n").split(" ", 1)
     time.sleep(2.0)  # the engine has installed its handlers
-    return trainer, engine
+    return trainer, int(engine), hold
 
 
 def test_a_held_engine_ignores_a_sigterm_from_outside_and_stops_when_its_trainer_stops_it(
     tmp_path,
 ):
-    trainer, engine = start(tmp_path, "held")
+    trainer, engine, _ = start(tmp_path, "held")
     subprocess.run(["kill", "-TERM", str(engine)], check=True)  # Slurm's, to every process
     time.sleep(1.0)
     out, _ = trainer.communicate("go\n", timeout=60)
@@ -69,12 +71,22 @@ def test_a_held_engine_ignores_a_sigterm_from_outside_and_stops_when_its_trainer
 
 
 def test_an_engine_nobody_holds_stops_on_any_sigterm(tmp_path):
-    trainer, engine = start(tmp_path, "free")
+    trainer, engine, _ = start(tmp_path, "free")
     subprocess.run(["kill", "-TERM", str(engine)], check=True)
     time.sleep(1.0)
     out, _ = trainer.communicate("go\n", timeout=60)
     assert "ignored" not in out and out.count("engine stopped") == 1, out
     assert out.strip().endswith("exit code 0"), out
+
+
+def test_an_engine_killed_outright_leaves_no_hold_file_behind(tmp_path):
+    trainer, engine, hold = start(tmp_path, "held")
+    own = Path(f"{hold}.{engine}")  # the engine core's hold on its workers
+    assert Path(hold).exists() and own.exists()
+    os.kill(engine, signal.SIGKILL)  # the OOM killer, or vLLM's kill of a slow shutdown
+    out, _ = trainer.communicate("go\n", timeout=60)
+    assert out.strip().endswith(f"exit code {-signal.SIGKILL}"), out
+    assert not own.exists() and not Path(hold).exists()
 
 
 def test_a_hold_lives_from_before_the_engine_starts_until_its_release():

@@ -55,11 +55,17 @@ _log = logging.getLogger("vllm.titan_learner")
 class EngineHold:
     """A hold: a file that exists until `release` (idempotent). The engine processes started
     while its path is in the environment (`HOLD_ENV`) take SIGTERM and SIGINT only once it is
-    gone, or once the process that started them is."""
+    gone, or once the process that started them is.
 
-    def __init__(self) -> None:
-        name = f"titan-learner-engine-hold-{os.getpid()}-{uuid.uuid4().hex}"
-        self.path = Path(tempfile.gettempdir()) / name
+    A held process's own hold (`under`) is named after its holder's, which removes it too on
+    release: an engine core that is SIGKILLed cannot remove its own."""
+
+    def __init__(self, under: Path | None = None) -> None:
+        if under is None:
+            name = f"titan-learner-engine-hold-{os.getpid()}-{uuid.uuid4().hex}"
+            self.path = Path(tempfile.gettempdir()) / name
+        else:
+            self.path = under.with_name(f"{under.name}.{os.getpid()}")
         self.path.touch()
         # At exit, released before the held processes are stopped: atexit runs the newest
         # first (vLLM's finalizers were registered earlier), and multiprocessing's exit, which
@@ -69,6 +75,8 @@ class EngineHold:
         self._at_exit = multiprocessing.util.Finalize(None, self.release, exitpriority=100)
 
     def release(self) -> None:
+        for held in self.path.parent.glob(f"{self.path.name}.*"):
+            held.unlink(missing_ok=True)  # the held processes' own holds
         self.path.unlink(missing_ok=True)
         atexit.unregister(self.release)
         self._at_exit.cancel()  # no longer needed at exit: multiprocessing's registry forgets it
@@ -108,7 +116,7 @@ def take_signals_from_parent() -> None:
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}
     # this process holds the processes it starts in turn (an engine core its workers) until it
     # stops itself: vLLM's terminate of its workers, at its shutdown or a failed start, works
-    own = EngineHold()
+    own = EngineHold(under=hold)
     os.environ[HOLD_ENV] = str(own.path)
 
     def handle(signum: int, frame: FrameType | None) -> None:
