@@ -40,7 +40,7 @@ def judge_server(tmp_path_factory):
     make_model_dir(root / "judge-model", shape=ENGINE_SHAPE)
     port = free_port()
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
         "--model", str(root / "judge-model"), "--served-model-name", "judge",
         "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
         "--enforce-eager", "--max-model-len", "512",

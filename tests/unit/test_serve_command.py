@@ -48,7 +48,7 @@ def test_the_server_command_carries_what_the_job_needs(monkeypatch):
     config = toy("rollout.vllm.enforce_eager=true", "rollout.vllm.max_num_seqs=64", SERVERS)
     argv, env = server_command(config, host="127.0.0.1", port=8123, on_gpu=False, python="py")
     flags = " ".join(argv)
-    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.launchers.api_server.entry"]
     for expected in (
         "--model engine",
         "--host 127.0.0.1 --port 8123",

@@ -20,7 +20,7 @@ from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from titan_learner.vllm.serve import parse_gpus, server_command
 
 SERVERS_TOY = Path(__file__).resolve().parents[2] / "configs" / "toy_grpo_servers.toml"
-SERVER_MODULE = "-m vllm.entrypoints.openai.api_server"
+SERVER_MODULE = "-m vllm.entrypoints.launchers.api_server.entry"
 PROBE = (
     '-c \'import json, os, sys; print(json.dumps({"env": {k: os.environ.get(k) for k in '
     '("VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES", "TITAN_LEARNER_SERVER_TOKEN")}, '
@@ -103,7 +103,7 @@ def test_the_gpu_command_parses_into_the_engine_the_job_needs(token):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv, _ = gpu_command("rollout.vllm.max_num_seqs=64", gpus=["4", "5"])
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
     validate_parsed_serve_args(args)
     engine = AsyncEngineArgs.from_cli_args(args)

