@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import running
+
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = """
 import contextlib, multiprocessing, signal, sys, time
@@ -87,6 +89,18 @@ def test_an_engine_killed_outright_leaves_no_hold_file_behind(tmp_path):
     out, _ = trainer.communicate("go\n", timeout=60)
     assert out.strip().endswith(f"exit code {-signal.SIGKILL}"), out
     assert not own.exists() and not Path(hold).exists()
+
+
+def test_a_trainer_killed_outright_leaves_no_hold_file_behind(tmp_path):
+    trainer, engine, hold = start(tmp_path, "held")
+    trainer.kill()  # the OOM killer: the trainer's release never runs
+    trainer.wait(30)
+    os.kill(engine, signal.SIGTERM)  # the orphan guard's, once the engine sees its parent gone
+    deadline = time.monotonic() + 30
+    while running(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(engine)
+    assert not Path(hold).exists() and not Path(f"{hold}.{engine}").exists()
 
 
 def test_a_hold_lives_from_before_the_engine_starts_until_its_release():

@@ -58,7 +58,8 @@ class EngineHold:
     gone, or once the process that started them is.
 
     A held process's own hold (`under`) is named after its holder's, which removes it too on
-    release: an engine core that is SIGKILLed cannot remove its own."""
+    release: an engine core that is SIGKILLed cannot remove its own. A holder that is
+    SIGKILLed cannot release: the held process removes the hold as it stops, orphaned."""
 
     def __init__(self, under: Path | None = None) -> None:
         if under is None:
@@ -126,6 +127,8 @@ def take_signals_from_parent() -> None:
                 signal.Signals(signum).name,
             )
             return
+        if os.getppid() != parent:
+            hold.unlink(missing_ok=True)  # its holder is gone (SIGKILLed) and cannot
         own.release()
         handler = handlers[signum]
         if callable(handler):
