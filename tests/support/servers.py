@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -112,13 +113,22 @@ class QuietHandler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def local_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+def local_http(
+    handler: type[BaseHTTPRequestHandler], tls: tuple[str, str] | None = None
+) -> Iterator[str]:
     """`handler` answering on a free loopback port, from a thread; its URL. Stopped on exit
-    (after its handlers returned: release any that wait before leaving)."""
+    (after its handlers returned: release any that wait before leaving). `tls`: a certificate
+    and its key (PEM files): the server speaks https only."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    scheme = "http"
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{scheme}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

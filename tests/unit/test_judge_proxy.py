@@ -10,8 +10,6 @@ SSL_CERT_FILE) goes through a CONNECT tunnel, and a refused tunnel is one line.
 from __future__ import annotations
 
 import base64
-import datetime
-import ipaddress
 import select
 import socket
 import socketserver
@@ -23,6 +21,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
+from tests.support.tls import self_signed
 from tests.unit.test_judge_deadline import (
     BYTE_EVERY_S,
     PROXY_VARIABLES,
@@ -173,48 +172,10 @@ def test_a_trickling_proxy_is_cut_at_the_deadline(tmp_path, monkeypatch, judge, 
     assert scores.messages[0] == timed_out(judge, via(proxy))
 
 
-def self_signed(tmp_path) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 and its key, as PEM files."""
-    pytest.importorskip("cryptography")
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = tmp_path / "judge.pem", tmp_path / "judge.key"
-    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return str(cert_file), str(key_file)
-
-
 @pytest.fixture
 def tls_judge(tmp_path, monkeypatch):
     """test_judge_deadline's judge server over TLS, its certificate trusted (SSL_CERT_FILE)."""
-    cert_file, key_file = self_signed(tmp_path)
+    cert_file, key_file = self_signed(tmp_path, "judge")
     monkeypatch.setenv("SSL_CERT_FILE", cert_file)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert_file, key_file)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.servers import QuietHandler, free_port, local_http, run_serve
+from tests.support.tls import self_signed
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
@@ -175,6 +176,56 @@ def test_text_routes_keep_the_tokenizer_and_nothing_else_changes():
     )
     assert "--skip-tokenizer-init" in rollout
     assert [a for a in rollout if a != "--skip-tokenizer-init"] == judge
+
+
+def test_vllms_front_end_flags_go_to_the_server_after_a_double_dash():
+    """Flags of vLLM's server front end (its access log, TLS) go through as they are: over TLS
+    the token no longer travels in clear (the job over https: test_a_server_over_tls_...)."""
+    front = ["--disable-uvicorn-access-log", "--ssl-keyfile", "k.pem", "--ssl-certfile=c.pem"]
+    plain = shlex.split(serve("--port", "8123", "--dry-run", env=WITH_TOKEN).stdout)
+    done = serve("--port", "8123", "--dry-run", "--", *front, env=WITH_TOKEN)
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(done.stdout) == plain + front
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--port", "9"],
+            "--port is set by titan-learner serve from the run's config and its options; allowed "
+            "after --: the flags of vLLM's server front end it does not set (e.g. "
+            "--disable-uvicorn-access-log, --ssl-keyfile, --ssl-certfile)",
+        ),
+        (
+            ["--max_model_len=9"],
+            "--max-model-len is set by titan-learner serve from the run's config and its "
+            "options; allowed after --: the flags of vLLM's server front end it does not set "
+            "(e.g. --disable-uvicorn-access-log, --ssl-keyfile, --ssl-certfile)",
+        ),
+        (
+            ["--no-enable-prefix-caching"],
+            "--no-enable-prefix-caching is an engine argument; allowed: enable_prefix_caching = "
+            "... in the run's [rollout.vllm], where the job checks it against the run (after "
+            "--: only flags of vLLM's server front end)",
+        ),
+        (
+            ["access-log"],
+            "'access-log' is not a flag; allowed after --: flags of vLLM's server, e.g. "
+            "--disable-uvicorn-access-log",
+        ),
+    ],
+)
+def test_a_flag_after_the_double_dash_that_the_run_owns_is_refused(flags, message, monkeypatch):
+    """What the job checks against the run (the context length, the engine) stays in the
+    config: a flag here would change the server behind the job's back."""
+    from titan_learner.vllm.serve import front_end_flags
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    argv, _ = server_command(toy(SERVERS), host="127.0.0.1", port=1, on_gpu=False, python="py")
+    with pytest.raises(ValueError) as info:
+        front_end_flags(flags, argv)
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize(
@@ -399,6 +450,47 @@ def test_a_server_that_answers_an_error_is_not_waited_for():
             wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
         assert time.monotonic() - started < 5
     assert str(info.value) == f"rollout server {url} answered GET /health with 500: engine dead"
+
+
+def test_a_server_over_tls_is_reached_once_its_certificate_is_trusted(tmp_path, monkeypatch):
+    """`serve ... -- --ssl-certfile C --ssl-keyfile K` speaks https only: the job reaches it
+    at its https:// URL once it trusts the certificate (REQUESTS_CA_BUNDLE, requests' own
+    variable), and otherwise stops at once with OpenSSL's reason, not after retries."""
+    from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
+
+    certificate = self_signed(tmp_path, "server")
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+    with local_http(Healthy, tls=certificate) as url:
+        started = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
+        assert time.monotonic() - started < 5
+        assert str(info.value) == (
+            f"rollout server {url}: TLS failed (GET /health): certificate verify failed: "
+            "self-signed certificate; allowed: a certificate the system trusts, or "
+            "REQUESTS_CA_BUNDLE naming the PEM file of the CA that signed it (of a "
+            "self-signed certificate: the certificate itself)"
+        )
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", certificate[0])
+        wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
+
+
+def test_an_http_url_of_a_tls_server_is_one_line_naming_its_https_url(tmp_path):
+    from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
+
+    with local_http(Healthy, tls=self_signed(tmp_path, "server")) as url:
+        plain = "http" + url.removeprefix("https")
+        started = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            wait_until_listening([ServerClient(plain, token="s3cret")], timeout_s=60)
+        assert time.monotonic() - started < 5
+    assert str(info.value) == (
+        f"rollout server {plain} closed the connection without answering GET /health: a "
+        "server started with TLS (`titan-learner serve ... -- --ssl-certfile ...`) answers at "
+        f"https:// only, and a server that is stopping answers nothing; allowed: {url} in "
+        "[rollout.vllm] servers for a TLS server, or restart it"
+    )
 
 
 def test_a_server_that_listens_and_never_answers_health_is_one_line():

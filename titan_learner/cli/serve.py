@@ -37,6 +37,14 @@ def add_serve_parser(commands) -> None:
         help="print the server's command line (its variables first; the token as the line "
         "reads it, never its value) and exit",
     )
+    serve.add_argument(
+        "vllm_flags",
+        nargs=argparse.REMAINDER,
+        metavar="-- VLLM_FLAGS",
+        help="flags of vLLM's server front end, passed as they are (e.g. -- "
+        "--disable-uvicorn-access-log, or --ssl-keyfile KEY --ssl-certfile CERT for TLS); "
+        "engine arguments go in [rollout.vllm], where the job checks them",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -44,7 +52,12 @@ def serve(args: argparse.Namespace) -> int:
     from titan_learner.config.errors import ConfigError
     from titan_learner.config.toml import load_config
     from titan_learner.vllm.checks import check_vllm_structure
-    from titan_learner.vllm.serve import dry_run_line, parse_gpus, server_command
+    from titan_learner.vllm.serve import (
+        dry_run_line,
+        front_end_flags,
+        parse_gpus,
+        server_command,
+    )
 
     try:
         gpus = parse_gpus(args.gpus) if args.gpus is not None else None
@@ -63,7 +76,9 @@ def serve(args: argparse.Namespace) -> int:
             text_routes=args.text_routes,
             gpus=gpus,
         )
-    except ConfigError as err:
+        flags = args.vllm_flags[1:] if args.vllm_flags[:1] == ["--"] else args.vllm_flags
+        argv += front_end_flags(flags, argv)
+    except (ConfigError, ValueError) as err:
         return user_error(err)
     if args.dry_run:
         print(dry_run_line(argv, env, config))

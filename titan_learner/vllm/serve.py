@@ -197,6 +197,54 @@ def gpu_parallel_flags(config: Config, gpus: Sequence[str]) -> list[str]:
     return []
 
 
+def front_end_flags(flags: Sequence[str], argv: Sequence[str]) -> list[str]:
+    """`serve ... -- FLAGS`: flags of vLLM's server front end (uvicorn's logging, TLS, CORS,
+    ...), added to the server's `argv` as they are. A flag `argv` sets already is refused, and
+    so is an engine argument: [rollout.vllm] holds those, where the job checks them against the
+    run (a shorter context, another dtype) before any transfer."""
+    if flags and not flags[0].startswith("-"):
+        raise ValueError(
+            f"{flags[0]!r} is not a flag; allowed after --: flags of vLLM's server, e.g. "
+            "--disable-uvicorn-access-log"
+        )
+    ours = {_flag_name(arg) for arg in argv if arg.startswith("--")}
+    engine = _engine_argument_flags()
+    for arg in flags:
+        name = _flag_name(arg)
+        if name in ours:
+            raise ValueError(
+                f"{name} is set by titan-learner serve from the run's config and its options; "
+                "allowed after --: "
+                "the flags of vLLM's server front end it does not set (e.g. "
+                "--disable-uvicorn-access-log, --ssl-keyfile, --ssl-certfile)"
+            )
+        if name in engine or name.replace("--no-", "--", 1) in engine:
+            key = name.replace("--no-", "--", 1)[2:].replace("-", "_")
+            raise ValueError(
+                f"{name} is an engine argument; allowed: {key} = ... in the run's "
+                "[rollout.vllm], where the job checks it against the run (after --: only flags "
+                "of vLLM's server front end)"
+            )
+    return list(flags)
+
+
+def _flag_name(arg: str) -> str:
+    """`--some_flag=1` -> `--some-flag` (vLLM's parser takes both spellings)."""
+    return arg.split("=", 1)[0].replace("_", "-") if arg.startswith("--") else ""
+
+
+def _engine_argument_flags() -> set[str]:
+    """`--max-model-len`, ...: vLLM's engine arguments as flags (none without vLLM: a server
+    cannot start there, and says so itself)."""
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except ImportError:
+        return set()
+    import dataclasses
+
+    return {"--" + field.name.replace("_", "-") for field in dataclasses.fields(AsyncEngineArgs)}
+
+
 def dry_run_line(argv: Sequence[str], env: dict[str, str], config: Config) -> str:
     """The server's command as one line a shell runs as it is (`serve --dry-run`): the
     variables first, then the argv. The token itself is never printed: the line reads it

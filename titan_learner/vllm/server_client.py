@@ -10,6 +10,7 @@ an error, is one `ServerError` naming it, the route and its answer.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,8 @@ server cannot be connected to; a server that stays down is then one ServerError.
 class ServerError(RuntimeError):
     """A rollout server that is down, unreachable or refused a request (`status`: its HTTP
     status, where it answered; `timed_out`: it did not answer in time; `unreachable`: nothing
-    accepted the connection)."""
+    accepted the connection; `closed`: something accepted it and closed it without an
+    answer)."""
 
     def __init__(
         self,
@@ -49,11 +51,13 @@ class ServerError(RuntimeError):
         status: int | None = None,
         timed_out: bool = False,
         unreachable: bool = False,
+        closed: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.timed_out = timed_out
         self.unreachable = unreachable
+        self.closed = closed
 
 
 def stuck_engines(urls: list[str]) -> ServerError:
@@ -65,6 +69,28 @@ def stuck_engines(urls: list[str]) -> ServerError:
         + STUCK_ENGINE.format(its="their engines are", that="those servers"),
         timed_out=True,
     )
+
+
+def _closed_without_answer(err: Exception) -> bool:
+    """Whether requests' ConnectionError is a peer that accepted the connection, then closed it
+    without an HTTP answer (http:// to a TLS port), not one that refused it."""
+    import http.client
+
+    seen, cause = set(), err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, http.client.RemoteDisconnected | ConnectionResetError):
+            return True
+        inner = [a for a in getattr(cause, "args", ()) if isinstance(a, BaseException)]
+        cause = getattr(cause, "reason", None) or (inner[-1] if inner else cause.__cause__)
+    return False
+
+
+def tls_reason(err: Exception) -> str:
+    """OpenSSL's own words from requests' nested SSLError (`certificate verify failed:
+    self-signed certificate`), else its type."""
+    found = re.search(r"\[SSL[^\]]*\] ([^(']*)", str(err))
+    return found.group(1).strip() if found else type(err).__name__
 
 
 class ServerClient:
@@ -98,6 +124,13 @@ class ServerClient:
                     **kwargs,
                 )
                 break
+            except requests.exceptions.SSLError as err:  # no try would do better
+                raise ServerError(
+                    f"rollout server {self.url}: TLS failed ({method} /{route}): "
+                    f"{tls_reason(err)}; allowed: a certificate the system trusts, or "
+                    "REQUESTS_CA_BUNDLE naming the PEM file of the CA that signed it (of a "
+                    "self-signed certificate: the certificate itself)"
+                ) from None
             except requests.ConnectionError as err:
                 if retry and attempt < CONNECT_RETRIES:
                     time.sleep(attempt)
@@ -106,6 +139,7 @@ class ServerClient:
                     f"rollout server {self.url} is unreachable ({method} /{route}, "
                     f"{attempt} tries): {type(err).__name__}",
                     unreachable=True,
+                    closed=_closed_without_answer(err),
                 ) from None
             except requests.Timeout:
                 raise ServerError(
@@ -138,6 +172,14 @@ class ServerClient:
                 after_timeout="a server that listens answers it at once: restart it",
             )
         except ServerError as err:
+            if err.closed and self.url.startswith("http://"):
+                raise ServerError(
+                    f"rollout server {self.url} closed the connection without answering GET "
+                    "/health: a server started with TLS (`titan-learner serve ... -- "
+                    "--ssl-certfile ...`) answers at https:// only, and a server that is "
+                    f"stopping answers nothing; allowed: {'https' + self.url[4:]} in "
+                    "[rollout.vllm] servers for a TLS server, or restart it"
+                ) from None
             if err.unreachable:
                 return False
             raise
