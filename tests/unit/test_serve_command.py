@@ -452,21 +452,29 @@ def test_a_server_that_answers_an_error_is_not_waited_for():
     assert str(info.value) == f"rollout server {url} answered GET /health with 500: engine dead"
 
 
+def refused_at_once(url: str) -> str:
+    """The error the job's first look at the server on `url` ends in, within 5 s: no waiting
+    for it to listen, no retries."""
+    from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
+
+    started = time.monotonic()
+    with pytest.raises(ServerError) as info:
+        wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
+    assert time.monotonic() - started < 5
+    return str(info.value)
+
+
 def test_a_server_over_tls_is_reached_once_its_certificate_is_trusted(tmp_path, monkeypatch):
     """`serve ... -- --ssl-certfile C --ssl-keyfile K` speaks https only: the job reaches it
     at its https:// URL once it trusts the certificate (REQUESTS_CA_BUNDLE, requests' own
     variable), and otherwise stops at once with OpenSSL's reason, not after retries."""
-    from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
+    from titan_learner.vllm.server_client import ServerClient, wait_until_listening
 
     certificate = self_signed(tmp_path, "server")
     monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
     monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
     with local_http(Healthy, tls=certificate) as url:
-        started = time.monotonic()
-        with pytest.raises(ServerError) as info:
-            wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
-        assert time.monotonic() - started < 5
-        assert str(info.value) == (
+        assert refused_at_once(url) == (
             f"rollout server {url}: TLS failed (GET /health): certificate verify failed: "
             "self-signed certificate; allowed: a certificate the system trusts, or "
             "REQUESTS_CA_BUNDLE naming the PEM file of the CA that signed it (of a "
@@ -477,15 +485,10 @@ def test_a_server_over_tls_is_reached_once_its_certificate_is_trusted(tmp_path, 
 
 
 def test_an_http_url_of_a_tls_server_is_one_line_naming_its_https_url(tmp_path):
-    from titan_learner.vllm.server_client import ServerClient, ServerError, wait_until_listening
-
     with local_http(Healthy, tls=self_signed(tmp_path, "server")) as url:
         plain = "http" + url.removeprefix("https")
-        started = time.monotonic()
-        with pytest.raises(ServerError) as info:
-            wait_until_listening([ServerClient(plain, token="s3cret")], timeout_s=60)
-        assert time.monotonic() - started < 5
-    assert str(info.value) == (
+        refusal = refused_at_once(plain)
+    assert refusal == (
         f"rollout server {plain} closed the connection without answering GET /health: a "
         "server started with TLS (`titan-learner serve ... -- --ssl-certfile ...`) answers at "
         f"https:// only, and a server that is stopping answers nothing; allowed: {url} in "
