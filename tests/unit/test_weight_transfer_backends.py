@@ -4,6 +4,9 @@ engine. No vLLM needed: the choice is made before any engine starts."""
 
 from __future__ import annotations
 
+from functools import partial
+from pathlib import Path
+
 import pytest
 
 from titan_learner.vllm.backends import WEIGHT_TRANSFERS, resolve_weight_transfer
@@ -55,6 +58,59 @@ def test_a_backend_that_cannot_reach_the_engine_is_refused(case, message):
             requested, engine_on_gpu=on_gpu, colocated=colocated, m2n_runtime=True
         )
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_in_process_engine_over_several_gpus_takes_gloo():
+    """`tensor_parallel_size = 2` on a rank's own vllm.LLM: its workers take the first GPUs
+    the rank sees, the trainer's among them. NCCL would put two ranks on that device, and
+    vLLM's IPC receiver wants a handle on the second worker's GPU, where the trainer has none."""
+    pick = partial(resolve_weight_transfer, engine_on_gpu=True, colocated=True, gpus=2)
+    assert pick("auto") == pick("gloo") == "gloo"
+    for requested, message in (
+        (
+            "ipc",
+            "weight_transfer 'ipc' shares the trainer's CUDA memory on its own GPU, and this "
+            "engine's workers run on 2 GPUs (vLLM's IPC receiver wants a handle on each "
+            "worker's GPU); allowed for an in-process engine over several GPUs: gloo (or auto)",
+        ),
+        (
+            "nccl",
+            "weight_transfer 'nccl' needs the engine on another GPU than the trainer's (NCCL "
+            "allows one rank per device); allowed for a colocated engine: gloo (or auto)",
+        ),
+        (
+            "nccl_m2n",
+            "weight_transfer 'nccl_m2n' reshards into rollout servers' tensor-parallel "
+            "layout, and this engine is an in-process vllm.LLM; allowed here: gloo (or auto)",
+        ),
+    ):
+        with pytest.raises(ValueError) as info:
+            pick(requested, m2n_runtime=True)
+        assert str(info.value) == message
+    on_cpu = resolve_weight_transfer("auto", engine_on_gpu=False, colocated=True, gpus=2)
+    assert on_cpu == "gloo"
+
+
+def test_check_sees_an_in_process_engine_over_several_gpus(monkeypatch):
+    """`check` and `train` refuse what the engine would: the same rule from the config."""
+    import torch
+
+    from titan_learner.config.errors import ConfigError
+    from titan_learner.config.toml import load_config
+    from titan_learner.vllm.checks import _check_weight_transfer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU machine's answer
+    config = load_config(
+        str(Path(__file__).resolve().parents[2] / "configs" / "toy_grpo.toml"),
+        [
+            "rollout.generator=vllm",
+            "rollout.vllm.tensor_parallel_size=2",
+            "rollout.vllm.weight_transfer=nccl",
+        ],
+    )
+    with pytest.raises(ConfigError) as info:
+        _check_weight_transfer(config)
+    assert "allowed for a colocated engine: gloo (or auto)" in str(info.value)
 
 
 def test_nccl_m2n_without_its_runtime_is_refused_naming_it():

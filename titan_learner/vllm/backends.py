@@ -24,23 +24,40 @@ def engine_backend(transfer: str) -> str:
     return ENGINE_BACKENDS.get(transfer, transfer)
 
 
+def in_process_gpus(engine: dict) -> int:
+    """How many GPUs an in-process `vllm.LLM` with these keyword arguments runs on: the first
+    ones the rank sees, the rank's own among them."""
+    return engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+
+
 def resolve_weight_transfer(
-    requested: str, *, engine_on_gpu: bool, colocated: bool, m2n_runtime: bool | None = None
+    requested: str,
+    *,
+    engine_on_gpu: bool,
+    colocated: bool,
+    gpus: int = 1,
+    m2n_runtime: bool | None = None,
 ) -> str:
     """The backend to use, or ValueError naming why `requested` cannot serve this engine.
 
     engine_on_gpu: the engine's workers run on CUDA devices. colocated: the engine shares the
-    trainer process's GPU (an in-process `vllm.LLM` on the rank's own device). m2n_runtime:
-    whether `nccl.m2n` imports here (None: try it, then check the NCCL it would run on,
-    `m2n_nccl`).
+    trainer process's GPU (an in-process `vllm.LLM`, on the rank's own device and, with
+    `gpus` > 1, the next ones too: its tensor-parallel workers). m2n_runtime: whether
+    `nccl.m2n` imports here (None: try it, then check the NCCL it would run on, `m2n_nccl`).
+
+    An in-process engine over several GPUs takes neither GPU backend: NCCL allows one rank per
+    device and its first worker shares the trainer's, and vLLM's IPC receiver wants a handle
+    on every worker's own GPU where the trainer holds the weights on one. gloo serves it.
     """
+    spans = colocated and engine_on_gpu and gpus > 1
+    also = "gloo" if spans else "ipc, gloo"
     if requested not in WEIGHT_TRANSFERS:
         raise ValueError(
             f"weight_transfer {requested!r} is not a backend; allowed: "
             + ", ".join(WEIGHT_TRANSFERS)
         )
     if requested == "auto":
-        if not engine_on_gpu:
+        if not engine_on_gpu or spans:
             return "gloo"
         return "ipc" if colocated else "nccl"
     if requested in GPU_ONLY and not engine_on_gpu:
@@ -53,15 +70,21 @@ def resolve_weight_transfer(
             "weight_transfer 'ipc' shares CUDA memory with an engine on the trainer's own GPU "
             "and this engine is elsewhere; allowed: nccl, gloo (or auto)"
         )
+    if requested == "ipc" and spans:
+        raise ValueError(
+            f"weight_transfer 'ipc' shares the trainer's CUDA memory on its own GPU, and this "
+            f"engine's workers run on {gpus} GPUs (vLLM's IPC receiver wants a handle on each "
+            "worker's GPU); allowed for an in-process engine over several GPUs: gloo (or auto)"
+        )
     if requested == "nccl" and colocated:
         raise ValueError(
             "weight_transfer 'nccl' needs the engine on another GPU than the trainer's (NCCL "
-            "allows one rank per device); allowed for a colocated engine: ipc, gloo (or auto)"
+            f"allows one rank per device); allowed for a colocated engine: {also} (or auto)"
         )
     if requested == "nccl_m2n" and colocated:
         raise ValueError(
             "weight_transfer 'nccl_m2n' reshards into rollout servers' tensor-parallel layout, "
-            "and this engine is an in-process vllm.LLM; allowed here: ipc, gloo (or auto)"
+            f"and this engine is an in-process vllm.LLM; allowed here: {also} (or auto)"
         )
     if requested == "nccl_m2n" and not (_m2n_imports() if m2n_runtime is None else m2n_runtime):
         raise ValueError(

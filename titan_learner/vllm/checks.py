@@ -287,14 +287,15 @@ def _check_weight_transfer(config: Config) -> None:
     rank's device: its GPU where there is one) or the servers (elsewhere)."""
     import torch
 
-    from titan_learner.vllm.backends import resolve_weight_transfer
+    from titan_learner.vllm.backends import in_process_gpus, resolve_weight_transfer
 
     engine = config.rollout.vllm
     try:
         resolve_weight_transfer(
             engine.get("weight_transfer", "auto"),
             engine_on_gpu=torch.cuda.is_available(),
-            colocated=not engine.get("servers") and engine.get("tensor_parallel_size", 1) == 1,
+            colocated=not engine.get("servers"),
+            gpus=in_process_gpus(engine),
         )
     except ValueError as err:
         raise ConfigError(

@@ -21,7 +21,11 @@ from titan_learner.rollout.base import (
     eos_id_set,
     rollout_from_lists,
 )
-from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
+from titan_learner.vllm.backends import (
+    engine_backend,
+    in_process_gpus,
+    resolve_weight_transfer,
+)
 from titan_learner.vllm.engine_memory import GPU_ENGINE_SHARE
 from titan_learner.vllm.errors import engine_start_error
 from titan_learner.vllm.parent_signals import hold_engine
@@ -171,10 +175,11 @@ class VLLMGenerator:
             engine_kwargs["enable_sleep_mode"] = True
         if device is not None and device.type == "cuda":
             engine_kwargs.setdefault("gpu_memory_utilization", GPU_ENGINE_SHARE)
-        one_gpu = engine_kwargs.get("tensor_parallel_size", 1) == 1
+        gpus = in_process_gpus(engine_kwargs)
+        one_gpu = gpus == 1
         on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
         self.weight_transfer = resolve_weight_transfer(
-            weight_transfer, engine_on_gpu=on_gpu, colocated=on_gpu and one_gpu
+            weight_transfer, engine_on_gpu=on_gpu, colocated=True, gpus=gpus
         )
         register()  # this process's vLLM factories know the gloo backend too
         if self.weight_transfer == "ipc":
