@@ -143,6 +143,28 @@ def test_an_engine_sink_on_an_llm_without_the_variable_refuses_before_any_update
         VLLMEngineSink(llm, backend="ipc")
 
 
+def test_an_engine_sink_over_several_workers_refuses_ipc_before_any_update(vllm_env):
+    """vLLM's IPC receiver fails on a worker whose GPU has no handle, once start_weight_update
+    has already unloaded its layers: refused at the sink's construction instead."""
+    from titan_learner.vllm.engine_sink import VLLMEngineSink
+    from titan_learner.vllm.ipc_trainer import INSECURE_SERIALIZATION
+
+    vllm_env.setenv(INSECURE_SERIALIZATION, "1")
+    parallel = SimpleNamespace(world_size=2, data_parallel_size=1)
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
+    )
+    for engine, workers in ((llm, None), (object(), 2)):  # a vllm.LLM; a weight-sync client
+        with pytest.raises(ValueError) as info:
+            VLLMEngineSink(engine, backend="ipc", workers=workers)
+        assert str(info.value) == (
+            "backend 'ipc' hands the engine CUDA IPC handles on this process's GPU, and this "
+            "engine runs 2 workers (tensor x pipeline x data parallel), each on a GPU of its "
+            "own (vLLM's IPC receiver wants a handle on each); allowed: an engine of one "
+            "worker on this process's GPU, or backend 'gloo'"
+        )
+
+
 GROUP_TIMEOUT_S = 10
 """How long a collective on the test's default group may wait: a send that entered one fails
 within this instead of hanging."""

@@ -41,6 +41,13 @@ class VLLMEngineSink(StagingSink):
                 require_ipc_handles()
         elif workers is None:
             raise TypeError("workers is required with a weight-sync client (its engine's size)")
+        if backend == "ipc" and workers != 1:  # else its update fails with the layers unloaded
+            raise ValueError(
+                "backend 'ipc' hands the engine CUDA IPC handles on this process's GPU, and "
+                f"this engine runs {workers} workers (tensor x pipeline x data parallel), each "
+                "on a GPU of its own (vLLM's IPC receiver wants a handle on each); allowed: "
+                "an engine of one worker on this process's GPU, or backend 'gloo'"
+            )
         self.transfer = EngineWeightTransfer(engine, backend, workers)
 
     def apply(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
