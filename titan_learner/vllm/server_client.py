@@ -37,6 +37,10 @@ HEALTH_ANSWER_S = 30.0
 CONNECT_RETRIES = 3
 """Tries for a call that is safe to repeat (reads, generation, pause and resume) when the
 server cannot be connected to; a server that stays down is then one ServerError."""
+RESET_TRIES = 5
+RESET_RETRY_S = 0.2
+"""How often, and how far apart, a refused prefix-cache reset is tried again (vLLM refuses it
+while blocks are held; an async KV offload lets go of them within moments)."""
 
 
 class ServerError(RuntimeError):
@@ -213,7 +217,20 @@ class ServerClient:
         self._call("POST", "resume")
 
     def reset_prefix_cache(self) -> None:
-        self._call("POST", "reset_prefix_cache")
+        """After an update, so that no prompt reuses KV computed with the previous weights.
+        vLLM answers `{"success": false}` while blocks are held (requests in flight, an async
+        KV offload): tried RESET_TRIES times, RESET_RETRY_S apart, then one error."""
+        for _ in range(RESET_TRIES):
+            answer = self._call("POST", "reset_prefix_cache")
+            if not isinstance(answer, dict) or answer.get("success", True):
+                return
+            time.sleep(RESET_RETRY_S)
+        raise ServerError(
+            f"rollout server {self.url} refused to reset its prefix cache after a weight update "
+            f"({RESET_TRIES} tries, {RESET_RETRY_S:g} s apart: blocks still held, by requests "
+            "the job did not send, as it leaves none in flight during a push); its cached KV "
+            "would be of the previous weights: keep other clients off a run's servers"
+        )
 
     def weight_version(self) -> str | None:
         return self._call("GET", "weight_info")["weight_version"]

@@ -73,7 +73,12 @@ class OfflineClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._while_alive(self.llm.finish_weight_update, weight_version)
-        self._while_alive(self.llm.reset_prefix_cache)  # cached KV was of the old weights
+        if self._while_alive(self.llm.reset_prefix_cache) is False:  # KV of the old weights
+            raise RuntimeError(
+                "the vLLM engine refused to reset its prefix cache after the weight update "
+                "(blocks still held by requests in flight, which the job never leaves there "
+                "during a push): its cached KV would be of the previous weights"
+            )
 
     def _while_alive(self, call: Callable[..., Any], *args: Any) -> Any:
         resources = engine_resources(self.llm)
