@@ -65,7 +65,7 @@ def test_the_embedded_default_trains_on_a_server_started_from_its_config_alone(t
 def test_a_server_over_tls_with_its_access_log_off_takes_the_job_at_its_https_url(tmp_path):
     """`serve ... -- --ssl-keyfile K --ssl-certfile C --disable-uvicorn-access-log`: vLLM's
     own front-end flags. The job reaches the server at https:// once it trusts the certificate
-    (REQUESTS_CA_BUNDLE), so the token no longer crosses the network in clear; without that
+    (SSL_CERT_FILE), so the token no longer crosses the network in clear; without that
     trust it stops at once with OpenSSL's reason."""
     certificate, key = self_signed(tmp_path, "server")
     url = f"https://127.0.0.1:{free_port()}"
@@ -79,13 +79,12 @@ def test_a_server_over_tls_with_its_access_log_off_takes_the_job_at_its_https_ur
     train = [sys.executable, "-m", "titan_learner", "train", "--config", CONFIG, *sets]
     for pair in ("run.steps=2", f'run.output_dir="{out}"', "eval.every_steps=0"):
         train += ["--set", pair]
-    trusted = {**os.environ, **env, "REQUESTS_CA_BUNDLE": certificate}
-    untrusted = {
-        k: v for k, v in trusted.items() if k not in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-    }
+    bundles = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE")  # a machine's own
+    untrusted = {k: v for k, v in {**os.environ, **env}.items() if k not in bundles}
+    trusted = {**untrusted, "SSL_CERT_FILE": certificate}
     try:
         with pytest.MonkeyPatch.context() as patch:  # this process polls /health over TLS too
-            patch.setenv("REQUESTS_CA_BUNDLE", certificate)
+            patch.setenv("REQUESTS_CA_BUNDLE", certificate)  # requests' own, as the tests' poll is
             wait_until_healthy([url], [server], [log])
         refused, done = (
             subprocess.run(
@@ -98,8 +97,8 @@ def test_a_server_over_tls_with_its_access_log_off_takes_the_job_at_its_https_ur
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == (
         f"error: rollout server {url}: TLS failed (GET /health): certificate verify failed: "
-        "self-signed certificate; allowed: a certificate the system trusts, or "
-        "REQUESTS_CA_BUNDLE naming the PEM file of the CA that signed it (of a self-signed "
+        "self-signed certificate; allowed: a certificate of a public CA, or SSL_CERT_FILE (or "
+        "REQUESTS_CA_BUNDLE) naming the PEM file of the CA that signed it (of a self-signed "
         "certificate: the certificate itself)"
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -466,22 +466,25 @@ def refused_at_once(url: str) -> str:
 
 def test_a_server_over_tls_is_reached_once_its_certificate_is_trusted(tmp_path, monkeypatch):
     """`serve ... -- --ssl-certfile C --ssl-keyfile K` speaks https only: the job reaches it
-    at its https:// URL once it trusts the certificate (REQUESTS_CA_BUNDLE, requests' own
-    variable), and otherwise stops at once with OpenSSL's reason, not after retries."""
+    at its https:// URL once it trusts the certificate (SSL_CERT_FILE, as the judge's client
+    does, or requests' own REQUESTS_CA_BUNDLE), and otherwise stops at once with OpenSSL's
+    reason, not after retries."""
     from titan_learner.vllm.server_client import ServerClient, wait_until_listening
 
     certificate = self_signed(tmp_path, "server")
-    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
-    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+    for name in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE"):
+        monkeypatch.delenv(name, raising=False)
     with local_http(Healthy, tls=certificate) as url:
         assert refused_at_once(url) == (
             f"rollout server {url}: TLS failed (GET /health): certificate verify failed: "
-            "self-signed certificate; allowed: a certificate the system trusts, or "
-            "REQUESTS_CA_BUNDLE naming the PEM file of the CA that signed it (of a "
+            "self-signed certificate; allowed: a certificate of a public CA, or SSL_CERT_FILE "
+            "(or REQUESTS_CA_BUNDLE) naming the PEM file of the CA that signed it (of a "
             "self-signed certificate: the certificate itself)"
         )
-        monkeypatch.setenv("REQUESTS_CA_BUNDLE", certificate[0])
-        wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
+        for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+            monkeypatch.setenv(name, certificate[0])
+            wait_until_listening([ServerClient(url, token="s3cret")], timeout_s=60)
+            monkeypatch.delenv(name)
 
 
 def test_an_http_url_of_a_tls_server_is_one_line_naming_its_https_url(tmp_path):

@@ -10,6 +10,7 @@ an error, is one `ServerError` naming it, the route and its answer.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -90,6 +91,16 @@ def _closed_without_answer(err: Exception) -> bool:
     return False
 
 
+def trusted_certificates() -> str | bool:
+    """What a server's TLS certificate is checked against: requests' own variables
+    (REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE), else OpenSSL's SSL_CERT_FILE, which the LLM judge's
+    client reads too (requests alone would ignore it), else the public CAs certifi ships."""
+    for name in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return True
+
+
 def tls_reason(err: Exception) -> str:
     """OpenSSL's own words from requests' nested SSLError (`certificate verify failed:
     self-signed certificate`), else its type."""
@@ -125,15 +136,16 @@ class ServerClient:
                     f"{self.url}/{route}",
                     headers=self._headers,
                     timeout=timeout,
+                    verify=trusted_certificates(),
                     **kwargs,
                 )
                 break
             except requests.exceptions.SSLError as err:  # no try would do better
                 raise ServerError(
                     f"rollout server {self.url}: TLS failed ({method} /{route}): "
-                    f"{tls_reason(err)}; allowed: a certificate the system trusts, or "
-                    "REQUESTS_CA_BUNDLE naming the PEM file of the CA that signed it (of a "
-                    "self-signed certificate: the certificate itself)"
+                    f"{tls_reason(err)}; allowed: a certificate of a public CA, or "
+                    "SSL_CERT_FILE (or REQUESTS_CA_BUNDLE) naming the PEM file of the CA that "
+                    "signed it (of a self-signed certificate: the certificate itself)"
                 ) from None
             except requests.ConnectionError as err:
                 if retry and attempt < CONNECT_RETRIES:
