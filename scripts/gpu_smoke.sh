@@ -42,7 +42,7 @@ PYTHON="${PYTHON:-python3}"
 BUDGET_S=470  # under 8 minutes in all
 failed=()
 
-if ! "$PYTHON" -c "import torchtitan, torchrl, tensordict, torchdata, xxhash" 2>/dev/null; then
+if ! "$PYTHON" -c "import torchtitan.config, torchrl, tensordict, torchdata, xxhash" 2>/dev/null; then
     if [ ! -d .gpu_wheels ]; then
         echo "gpu_smoke: the project's dependencies are missing and .gpu_wheels/ is not here" \
             "(bash scripts/prepare_gpu_wheels.sh where PyPI is reachable, then carry it)" >&2

@@ -14,7 +14,8 @@ DEST=.gpu_wheels
 LIMIT_MIB=48  # the working tree itself and the toy data need the rest of the 64 MiB
 WHEELS=(
     torchtitan==0.3.0 torchrl==0.14.1 tensordict==0.14.3 torchdata==0.11.0
-    cloudpickle orjson pyvers importlib_metadata zipp hoptorch spmd_types torch_checkpointing einops
+    cloudpickle orjson pyvers importlib_metadata zipp hoptorch spmd_types==0.2.3 torch_checkpointing
+    einops tyro docstring_parser typeguard
     xxhash tensorboard tensorboard-data-server absl-py markdown werkzeug markupsafe protobuf
     matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil six pillow
 )
