@@ -285,7 +285,9 @@ class StepperTrainer:
             [
                 (~torch.isfinite(loss)).to(torch.float64).reshape(1),
                 torch.tensor(list(pending.values()), dtype=torch.float64, device=device),
-                torch.zeros(0, dtype=torch.float64) if payload is None else payload.to(device),
+                torch.zeros(0, dtype=torch.float64, device=device)
+                if payload is None
+                else payload.to(device),
             ]
         )
         dist.all_reduce(local)

@@ -7,7 +7,6 @@ model's own `parallelize_fn`.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_learner.model import platform
+from titan_learner.ranks import local_cuda_index
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
@@ -88,7 +88,7 @@ def init_process_group(device_type: str) -> int:
     if not dist.is_initialized():
         alone = platform.default_single_process_env()
         if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_cuda_index())
         comm = CommConfig(trace_buf_size=0)
         timeout = timedelta(seconds=comm.init_timeout_seconds)
         store = single_process_store(timeout) if alone else restarted_group_store(timeout)

@@ -102,13 +102,13 @@ class RewardModel:
 
 
 def model_device(device: str, learner_device_type: str) -> str:
-    """`learner`: the device this rank's learner uses (cuda:LOCAL_RANK or cpu)."""
-    import os
+    """`learner`: the device this rank's learner uses (its GPU, `local_cuda_index`, or cpu)."""
+    from titan_learner.ranks import local_cuda_index
 
     if device != "learner":
         return device
     if learner_device_type == "cuda":
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        return f"cuda:{local_cuda_index()}"
     return learner_device_type
 
 
