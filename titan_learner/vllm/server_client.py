@@ -232,11 +232,12 @@ class ServerClient:
         """After an update, so that no prompt reuses KV computed with the previous weights.
         vLLM answers `{"success": false}` while blocks are held (requests in flight, an async
         KV offload): tried RESET_TRIES times, RESET_RETRY_S apart, then one error."""
-        for _ in range(RESET_TRIES):
+        for attempt in range(RESET_TRIES):
+            if attempt:
+                time.sleep(RESET_RETRY_S)
             answer = self._call("POST", "reset_prefix_cache")
             if not isinstance(answer, dict) or answer.get("success", True):
                 return
-            time.sleep(RESET_RETRY_S)
         raise ServerError(
             f"rollout server {self.url} refused to reset its prefix cache after a weight update "
             f"({RESET_TRIES} tries, {RESET_RETRY_S:g} s apart: blocks still held, by requests "
