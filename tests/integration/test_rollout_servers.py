@@ -24,9 +24,17 @@ import pytest
 import requests
 import torch
 
-from tests.support.servers import free_port, start_logged, stop, wait_until_healthy
+from tests.support.servers import (
+    free_port,
+    served_greedy,
+    served_version,
+    start_logged,
+    stop,
+    wait_until_healthy,
+)
 from tests.support.vllm import (
     needs_vllm,
+    sender_on_servers,
     tamper_in_transit,
     vllm_job_config,
     write_vllm_job_files,
@@ -126,22 +134,10 @@ def authorized() -> dict:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
-def served(url: str) -> tuple[str, list]:
-    """What a server samples now: its weight version and the greedy ids and log-probs of two
-    prompts of different lengths (equal only while its weights are)."""
-    from titan_learner.vllm.server_client import ServerClient
-
-    client = ServerClient(url, token=TOKEN, timeout_s=60)
-    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
-    greedy["detokenize"] = False
-    samples = [client.generate(prompt, greedy) for prompt in ([5, 6, 7], [8, 9, 10, 11, 12])]
-    return client.weight_version(), samples
-
-
 def test_every_route_but_health_needs_the_token(servers):
     _, urls, _ = servers
     for url in urls:
-        before = served(url)
+        before = served_greedy(url, TOKEN)
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
         for method, route in GUARDED:
             for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -151,7 +147,7 @@ def test_every_route_but_health_needs_the_token(servers):
                 assert answer.status_code == 401, (route, answer.status_code, answer.text)
         paused = requests.get(f"{url}/is_paused", headers=authorized(), timeout=10).json()
         assert paused == {"is_paused": False}, "the refused /pause changed nothing"
-        assert served(url) == before, "the refused weight routes changed nothing"
+        assert served_greedy(url, TOKEN) == before, "the refused weight routes changed nothing"
 
 
 def test_a_request_the_server_aborts_is_one_line_not_a_cut_completion_trained_as_whole(servers):
@@ -250,15 +246,10 @@ def test_a_generator_for_longer_sequences_than_the_servers_take_is_refused_befor
     from titan_learner.vllm.server_client import ServerError
 
     root, urls, _ = servers
-    before = [served(url) for url in urls]
+    before = [served_greedy(url, TOKEN) for url in urls]
     with pytest.raises(ServerError, match=r"takes sequences of at most \d+ tokens"):
         rank_0_generator(root, urls, sequence_len=SERVED_LEN + 1)
-    assert [served(url) for url in urls] == before, "nothing was sent"
-
-
-def served_version(url: str) -> str:
-    answer = requests.get(f"{url}/weight_info", headers=authorized(), timeout=10)
-    return answer.json()["weight_version"]
+    assert [served_greedy(url, TOKEN) for url in urls] == before, "nothing was sent"
 
 
 def requests_served(url: str) -> float:
@@ -316,40 +307,17 @@ def test_two_ranks_sample_one_version_ahead_on_the_servers(job):
     assert [m["staleness_max"] for m in ahead] == [0.0, 1.0, 1.0]
     assert [int(m["policy_version"]) for m in ahead] == [1, 2, 3]
     assert all(m["logprob_mismatch_max"] < 1e-5 for m in ahead), ahead
-    assert [served_version(url) for url in urls] == ["3", "3"], "rank 0 pushed to both"
+    assert [served_version(url, TOKEN) for url in urls] == ["3", "3"], "rank 0 pushed to both"
 
 
 def rank_0_generator(
     root: Path, urls: list[str], timeout_s: float = 600, sequence_len: int | None = None
 ):
-    """A ServerGenerator on the servers as trainer rank 0 builds it (`timeout_s`: its
-    requests'; `sequence_len`: the longest sequence it asks for, else the run's), and the
-    float32 weights of a one-process learner of the run."""
-    from transformers import AutoTokenizer
-
-    from tests.support.hf_dirs import eos_ids
-    from titan_learner.config.derived import longest_sequence
-    from titan_learner.learner.local import LocalLearner
-    from titan_learner.model.hf_config import hf_config
-    from titan_learner.vllm.server_generator import ServerGenerator
-
-    one_process = tables(root, urls, steps=1)
-    one_process.pop("parallelism")
-    config = config_from_dict(one_process, "one process")
-    learner = LocalLearner(config)
-    tokenizer = AutoTokenizer.from_pretrained(root / "model")
-    generator = ServerGenerator(
-        urls,
-        hf_config(learner.spec),
-        eos_id=eos_ids(tokenizer),
-        pad_id=tokenizer.pad_token_id,
-        dtype=torch.float32,
-        sequence_len=sequence_len or longest_sequence(config),
-        sender=True,
-        token=TOKEN,
-        timeout_s=timeout_s,
+    """`sender_on_servers` for this run's servers."""
+    run_tables = tables(root, urls, steps=1)
+    return sender_on_servers(
+        run_tables, urls, TOKEN, timeout_s=timeout_s, sequence_len=sequence_len
     )
-    return generator, list(learner.get_weights(dtype=torch.float32).items())
 
 
 def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, monkeypatch):
@@ -376,7 +344,7 @@ def test_a_tampered_update_is_refused_and_both_servers_keep_their_weights(job, m
         f"{urls[0]} answered POST /update_weights with "
     ), refusal
     assert "export v11: checksum mismatch, the bytes changed in transit" in refusal, refusal
-    assert [served_version(url) for url in urls] == ["10", "10"]
+    assert [served_version(url, TOKEN) for url in urls] == ["10", "10"]
     for log, start in zip(logs, before, strict=True):  # the servers' side: no traceback
         with log.open() as file:
             file.seek(start)
@@ -408,9 +376,9 @@ def test_a_session_a_stopped_trainer_left_open_is_abandoned_and_the_update_goes_
     with pytest.warns(UserWarning, match="a weight-update session was left open") as said:
         generator.load_weights(weights, version=20)
     assert len(said) == 1 and urls[1] in str(said[0].message), [str(w.message) for w in said]
-    assert [served_version(url) for url in urls] == ["20", "20"]
+    assert [served_version(url, TOKEN) for url in urls] == ["20", "20"]
     generator.load_weights(weights, version=21)  # nothing left open, nothing said
-    assert [served_version(url) for url in urls] == ["21", "21"]
+    assert [served_version(url, TOKEN) for url in urls] == ["21", "21"]
     log = (root / "server1.log").read_text()
     assert "weight update refused, nothing was swapped: the trainer abandoned this update" in log
     generator.close()
@@ -443,7 +411,7 @@ def test_a_trainer_that_dies_inside_the_gloo_broadcast_leaves_servers_that_take_
     from titan_learner.vllm.server_client import ServerClient
 
     root, urls, _, _ = job
-    before = [served(url) for url in urls]
+    before = [served_greedy(url, TOKEN) for url in urls]
     trainer = multiprocessing.get_context("spawn").Process(
         target=dies_inside_the_broadcast, args=(str(root), urls, MODEL_OVERRIDES)
     )
@@ -453,9 +421,9 @@ def test_a_trainer_that_dies_inside_the_gloo_broadcast_leaves_servers_that_take_
     generator, weights = rank_0_generator(root, urls)  # its engines answer within 60 s
     for url in urls:
         ServerClient(url, token=TOKEN).resume()
-    assert [served(url) for url in urls] == before
+    assert [served_greedy(url, TOKEN) for url in urls] == before
     generator.load_weights(weights, version=30)
-    assert [served_version(url) for url in urls] == ["30", "30"]
+    assert [served_version(url, TOKEN) for url in urls] == ["30", "30"]
     assert not [w for w in recwarn if "session was left open" in str(w.message)]
     generator.close()
 
@@ -482,7 +450,7 @@ def test_servers_whose_engines_do_not_answer_are_one_line_when_the_job_connects(
     monkeypatch.setattr(server_client, "ENGINE_ANSWER_S", 5.0)
     cores = [engine_cores(process) for process in processes]
     assert [len(c) for c in cores] == [1, 1], [[p.cmdline() for p in c] for c in cores]
-    versions = [served_version(url) for url in urls]
+    versions = [served_version(url, TOKEN) for url in urls]
     said = []
     try:
         for stopped in (1, 2):  # server 0's engine, then both
@@ -502,7 +470,7 @@ def test_servers_whose_engines_do_not_answer_are_one_line_when_the_job_connects(
         "their engines are inside a call that has not returned, such as a weight update whose "
         "trainer died inside an nccl broadcast (NCCL waits for good); restart those servers",
     ]
-    assert [served_version(url) for url in urls] == versions
+    assert [served_version(url, TOKEN) for url in urls] == versions
 
 
 KILLER = """

@@ -2,9 +2,10 @@
 started in a session of its own with its output in a log, the wait until /health answers (a
 server that exits first is an error showing its log's tail), and the stop that kills what a
 server started (its engine processes too); `off_loopback_address`, for a peer "elsewhere";
-`local_http`, an in-process HTTP server that
-answers as a test's handler says (a slow or refusing server), and `control_routes`, a vLLM
-server's control routes as such a handler; `run_serve`, the serve command to its end."""
+`local_http`, an in-process HTTP server that answers as a test's handler says (a slow or
+refusing server), and `control_routes`, a vLLM server's control routes as such a handler;
+`run_serve`, the serve command to its end; `served_version` and `served_greedy`, what a
+rollout server serves."""
 
 from __future__ import annotations
 
@@ -103,6 +104,26 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def served_version(url: str, token: str) -> str:
+    """The weight version a rollout server serves (vLLM's /weight_info)."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {token}"}
+    return requests.get(f"{url}/weight_info", headers=headers, timeout=10).json()["weight_version"]
+
+
+def served_greedy(url: str, token: str) -> tuple[str, list]:
+    """What a rollout server samples now: its weight version and the greedy ids and log-probs
+    of two prompts of different lengths (equal only while its weights are)."""
+    from titan_learner.vllm.server_client import ServerClient
+
+    client = ServerClient(url, token=token, timeout_s=60)
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    greedy["detokenize"] = False
+    samples = [client.generate(prompt, greedy) for prompt in ([5, 6, 7], [8, 9, 10, 11, 12])]
+    return client.weight_version(), samples
 
 
 class QuietHandler(BaseHTTPRequestHandler):

@@ -50,6 +50,45 @@ def vllm_job_config(
     )
 
 
+def sender_on_servers(
+    run_tables: dict,
+    urls: list[str],
+    token: str,
+    *,
+    timeout_s: float = 600,
+    sequence_len: int | None = None,
+):
+    """A ServerGenerator on the servers `urls` as trainer rank 0 of the run `run_tables`
+    builds it (`timeout_s`: its requests'; `sequence_len`: the longest sequence it asks for,
+    else the run's), and the float32 weights of a one-process learner of that run."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.support.hf_dirs import eos_ids
+    from titan_learner.config.derived import longest_sequence
+    from titan_learner.config.toml import config_from_dict
+    from titan_learner.learner.local import LocalLearner
+    from titan_learner.model.hf_config import hf_config
+    from titan_learner.vllm.server_generator import ServerGenerator
+
+    one_process = {key: table for key, table in run_tables.items() if key != "parallelism"}
+    config = config_from_dict(one_process, "one process")
+    learner = LocalLearner(config)
+    tokenizer = AutoTokenizer.from_pretrained(one_process["model"]["hf_checkpoint"])
+    generator = ServerGenerator(
+        urls,
+        hf_config(learner.spec),
+        eos_id=eos_ids(tokenizer),
+        pad_id=tokenizer.pad_token_id,
+        dtype=torch.float32,
+        sequence_len=sequence_len or longest_sequence(config),
+        sender=True,
+        token=token,
+        timeout_s=timeout_s,
+    )
+    return generator, list(learner.get_weights(dtype=torch.float32).items())
+
+
 def tamper_in_transit(monkeypatch, trainer) -> None:
     """The next broadcasts of a checked trainer engine (gloo, nccl) carry other bytes than it hashed
     and vouches for in the manifest (what a peer on the data channel could do)."""
