@@ -41,6 +41,7 @@ from tests.support.vllm import (
     needs_vllm,
     sender_on_servers,
     tamper_in_transit,
+    thread_binding,
     vllm_job_config,
     write_vllm_job_files,
 )
@@ -52,13 +53,6 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 TOKEN = "test-token-not-a-secret"
 PARALLEL = {"tensor_parallel_size": 2, "data_parallel_size": 2}
 WORKERS = 4  # the first server's: 2 data-parallel engines x 2 tensor-parallel workers
-
-
-def thread_binding(workers: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` local workers: one of this process's CPUs each,
-    in turn (on 2 cores, two workers share each)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cpus[i % len(cpus)]) for i in range(workers))
 
 
 def run_tables(root: Path, urls: list[str], steps: int) -> dict:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.support.toy import EOS_ID, MAX_NEW, PAD_ID, VOCAB_SIZE, rewards_of, sample_prompts
-from tests.support.vllm import ENGINE_SHAPE, needs_vllm, tamper_in_transit
+from tests.support.vllm import ENGINE_SHAPE, needs_vllm, tamper_in_transit, thread_binding
 from titan_learner.config.toml import config_from_dict
 from titan_learner.job.advantage import group_advantages
 from titan_learner.learner.batch import (
@@ -48,8 +48,8 @@ LOG_PROB_TOLERANCE = 1e-5
 """fp32 on CPU: vLLM's kernels and the learner's sum in other orders (measured max 4.8e-7)."""
 
 
-def learner_config(seed: int = 0):
-    overrides = {"vocab_size": VOCAB_SIZE, "max_seq_len": 64, **ENGINE_SHAPE}
+def learner_config(seed: int = 0, vocab_size: int = VOCAB_SIZE):
+    overrides = {"vocab_size": vocab_size, "max_seq_len": 64, **ENGINE_SHAPE}
     return config_from_dict(
         {
             "model": {"name": "llama3", "overrides": overrides},
@@ -87,13 +87,15 @@ def engine(tmp_path_factory):
     generator.close()
 
 
-def gloo_engine(cache: Path):
+def gloo_engine(cache: Path, config=None, **engine):
+    """The job's engine for `config` (the module's learner's) on vLLM's dummy weights, gloo
+    named; `engine`: more engine arguments."""
     from titan_learner.vllm.engine_model import engine_model
     from titan_learner.vllm.generator import VLLMGenerator
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(cache))
-        path, model_arguments = engine_model(learner_config())
+        path, model_arguments = engine_model(config or learner_config())
     assert model_arguments == {"load_format": "dummy"}
     return VLLMGenerator(
         path,
@@ -106,6 +108,7 @@ def gloo_engine(cache: Path):
         enforce_eager=True,
         max_model_len=64,
         kv_cache_memory_bytes=64 << 20,
+        **engine,
     )
 
 
@@ -331,6 +334,31 @@ def test_a_damaged_or_mismatched_push_is_refused_and_the_engine_keeps_its_weight
     push_weights(learner, GeneratorSink(engine), BUCKET, dtype=F32)  # the next push goes through
     assert served_version(engine) == learner.policy_version
     assert not torch.equal(greedy(engine)[0], served[0])
+
+
+def test_an_engine_over_two_tensor_parallel_workers_serves_each_push(tmp_path, monkeypatch):
+    """`tensor_parallel_size = 2` on a rank's own engine (on GPUs "auto" gives such an engine
+    gloo too): both workers join the push's group (1 + 2 ranks) and each loads its half of
+    every layer over vLLM's dummy weights. A vocabulary of 320 puts real rows of the embedding
+    and the head in both halves (the toy's 14 would leave the second all padding)."""
+    config = learner_config(vocab_size=320)
+    learner = LocalLearner(config)
+    train(learner, steps=1, seed=50)  # updated weights, not the learner's initial ones
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", thread_binding(2))
+    engine = gloo_engine(tmp_path, config, tensor_parallel_size=2)
+    try:
+        push_weights(learner, GeneratorSink(engine), BUCKET, dtype=F32)
+        assert served_version(engine) == learner.policy_version
+        rollout = sample(engine, seed=7, n=16)
+        rows = rollout.num_sequences
+        batch = rollout.to_batch(torch.zeros(rows), torch.zeros(rows))
+        response = batch[ASSISTANT_MASK_KEY]
+        difference = (batch[LOG_PROBS_KEY] - learner_log_probs(learner, batch))[response].abs()
+        assert difference.max() <= LOG_PROB_TOLERANCE
+        sampled = torch.cat([torch.tensor(ids) for ids in rollout.completion_ids])
+        assert (sampled >= 160).any(), "tokens of the second worker's half of the vocabulary"
+    finally:
+        engine.close()
 
 
 def test_an_engine_sink_on_a_users_llm_takes_over_its_weight_transfer(learner, engine):

@@ -89,6 +89,16 @@ def sender_on_servers(
     return generator, list(learner.get_weights(dtype=torch.float32).items())
 
 
+def thread_binding(workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` workers of one engine or server on this machine:
+    one of this process's CPUs each, in turn (on 2 cores, two workers share each). vLLM's CPU
+    backend otherwise binds one worker per NUMA node, and refuses more workers than nodes."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cpus[i % len(cpus)]) for i in range(workers))
+
+
 def tamper_in_transit(monkeypatch, trainer) -> None:
     """The next broadcasts of a checked trainer engine (gloo, nccl) carry other bytes than it hashed
     and vouches for in the manifest (what a peer on the data channel could do)."""
