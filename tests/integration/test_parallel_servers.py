@@ -26,11 +26,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 
 from tests.support.servers import (
     free_port,
+    requests_by_engine,
     served_greedy,
     served_version,
     start_logged,
@@ -53,6 +53,7 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 TOKEN = "test-token-not-a-secret"
 PARALLEL = {"tensor_parallel_size": 2, "data_parallel_size": 2}
 WORKERS = 4  # the first server's: 2 data-parallel engines x 2 tensor-parallel workers
+MODEL: dict = {}  # the engine-shaped model's overrides, set by the servers fixture
 
 
 def run_tables(root: Path, urls: list[str], steps: int) -> dict:
@@ -60,9 +61,6 @@ def run_tables(root: Path, urls: list[str], steps: int) -> dict:
     model = {"name": "llama3", "overrides": MODEL, "hf_checkpoint": str(root / "model")}
     vllm = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "servers": urls}
     return vllm_job_config(root, model, steps=steps, vllm=vllm)
-
-
-MODEL: dict = {}  # the engine-shaped model's overrides, set by the servers fixture
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +92,6 @@ def servers(tmp_path_factory):
         stop(processes)
 
 
-def requests_by_engine(url: str) -> list[float]:
-    """Requests each of a server's engines finished (vLLM's /metrics, by its engine label)."""
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    text = requests.get(f"{url}/metrics", headers=headers, timeout=10).text
-    done: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = re.search(r'engine="(\d+)"', line).group(1)
-            done[engine] = done.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
-    return [done[engine] for engine in sorted(done)]
-
-
 def workers_saying(log: Path, words: str, since: int = 0) -> set[str]:
     """The worker processes (vLLM's "(Worker... pid=N)" prefix) whose lines in `log`, from
     byte `since`, contain `words`."""
@@ -132,7 +118,7 @@ def test_the_job_trains_on_a_tensor_and_data_parallel_server_beside_a_single_wor
     assert [row["step"] for row in steps] == [1, 2]
     # every sample of both servers' three engines came from the learner's own weights
     assert all(row["training/logprob_mismatch_max"] <= 1e-5 for row in steps), steps
-    parallel, single = (requests_by_engine(url) for url in urls)
+    parallel, single = (requests_by_engine(url, TOKEN) for url in urls)
     assert len(parallel) == 2 and min(parallel) > 0, f"both engines sampled: {parallel}"
     assert len(single) == 1 and single[0] > 0, single
     assert [served_version(url, TOKEN) for url in urls] == ["2", "2"]

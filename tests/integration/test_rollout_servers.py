@@ -26,6 +26,7 @@ import torch
 
 from tests.support.servers import (
     free_port,
+    requests_by_engine,
     served_greedy,
     served_version,
     start_logged,
@@ -252,15 +253,6 @@ def test_a_generator_for_longer_sequences_than_the_servers_take_is_refused_befor
     assert [served_greedy(url, TOKEN) for url in urls] == before, "nothing was sent"
 
 
-def requests_served(url: str) -> float:
-    text = requests.get(f"{url}/metrics", headers=authorized(), timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total")
-    )
-
-
 def server_job(rank: int, root: str, urls: list[str], overrides: dict, ahead: bool = False):
     """The run on the servers with 2 ranks; then the same one step off-policy (each rank's
     pipeline thread samples while the learner trains; rank 0 pushes once both asked)."""
@@ -278,7 +270,7 @@ def server_job(rank: int, root: str, urls: list[str], overrides: dict, ahead: bo
 @pytest.fixture(scope="module")
 def job(servers):
     root, urls, _ = servers
-    before = [requests_served(url) for url in urls]
+    before = [sum(requests_by_engine(url, TOKEN)) for url in urls]
     histories = run_world(2, server_job, str(root), urls, MODEL_OVERRIDES)
     ahead = run_world(2, server_job, str(root), urls, MODEL_OVERRIDES, True)
     return root, urls, before, {"history": histories[0], "ahead": ahead[0]}
@@ -293,7 +285,7 @@ def test_the_job_trains_on_both_servers_with_dp_shard_2(job):
         # the servers served the weights being trained: importance ratio 1, nothing clipped
         assert metrics["logprob_mismatch_max"] < 1e-5, metrics  # fp32 on CPU
         assert abs(metrics["kl_approx"]) < 1e-5 and metrics["clip_fraction"] == 0
-    assert all(requests_served(url) > b for url, b in zip(urls, before, strict=True))
+    assert all(sum(requests_by_engine(url, TOKEN)) > b for url, b in zip(urls, before, strict=True))
     rows = [json.loads(line) for line in (root / "run/out/metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "training/loss_objective" in row] == [1, 2, 3]
     assert [row["step"] for row in rows if "eval/pass@1" in row] == [0, 3]
@@ -532,14 +524,14 @@ def test_multi_turn_episodes_sample_every_turn_on_the_servers(servers):
     episode (fp32), and only sampled tokens are trained."""
     root, urls, _ = servers
     (root / "go_on.py").write_text(GO_ON)
-    before = [requests_served(url) for url in urls]
+    before = [sum(requests_by_engine(url, TOKEN)) for url in urls]
     history = run_world(1, episode_job, str(root), urls, MODEL_OVERRIDES)[0]
     assert [int(m["policy_version"]) for m in history] == [1, 2]
     for metrics in history:
         assert metrics["turns_mean"] > 1, metrics  # the environment's turn was sampled on
         assert metrics["logprob_mismatch_max"] < 1e-5, metrics
         assert abs(metrics["kl_approx"]) < 1e-5 and metrics["clip_fraction"] == 0
-    assert all(requests_served(url) > b for url, b in zip(urls, before, strict=True))
+    assert all(sum(requests_by_engine(url, TOKEN)) > b for url, b in zip(urls, before, strict=True))
 
 
 def test_a_server_killed_mid_run_is_one_line_and_resume_repeats_the_run_exactly(servers, job):

@@ -4,8 +4,8 @@ server that exits first is an error showing its log's tail), and the stop that k
 server started (its engine processes too); `off_loopback_address`, for a peer "elsewhere";
 `local_http`, an in-process HTTP server that answers as a test's handler says (a slow or
 refusing server), and `control_routes`, a vLLM server's control routes as such a handler;
-`run_serve`, the serve command to its end; `served_version` and `served_greedy`, what a
-rollout server serves."""
+`run_serve`, the serve command to its end; `served_version`, `served_greedy` and
+`requests_by_engine`, what a rollout server serves."""
 
 from __future__ import annotations
 
@@ -106,12 +106,28 @@ def stop(processes: list[subprocess.Popen]) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def served_version(url: str, token: str) -> str:
+def served_version(url: str, token: str) -> str | None:
     """The weight version a rollout server serves (vLLM's /weight_info)."""
+    from titan_learner.vllm.server_client import ServerClient
+
+    return ServerClient(url, token=token, timeout_s=10).weight_version()
+
+
+def requests_by_engine(url: str, token: str) -> list[float]:
+    """Requests each of a server's engines finished, in engine order (vLLM's /metrics counter
+    by its `engine` label; a server without data parallelism has one engine)."""
+    import re
+
     import requests
 
     headers = {"Authorization": f"Bearer {token}"}
-    return requests.get(f"{url}/weight_info", headers=headers, timeout=10).json()["weight_version"]
+    text = requests.get(f"{url}/metrics", headers=headers, timeout=10).text
+    done: dict[int, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = int(re.search(r'engine="(\d+)"', line).group(1))
+            done[engine] = done.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return [done[engine] for engine in sorted(done)]
 
 
 def served_greedy(url: str, token: str) -> tuple[str, list]:
