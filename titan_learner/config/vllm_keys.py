@@ -29,8 +29,9 @@ VLLM_OWN_KEYS: dict[str, EngineKey] = {
         "The backend of vLLM's RL weight-transfer API that moves each update into the engines. "
         "auto: ipc for an engine on the rank's own GPU, nccl to servers on other GPUs, gloo on "
         "CPU and for a rank's engine over several GPUs (tensor_parallel_size > 1); nccl_m2n "
-        "(servers on GPUs, with NVIDIA's nccl-extensions; max_off_policy_steps = 0): every trainer rank's shards resharded into the servers' tensor-parallel layout, no "
-        "gather, not checked before the swap. gloo and nccl check each update against its "
+        "(servers on GPUs, with NVIDIA's nccl-extensions; max_off_policy_steps = 0): every "
+        "trainer rank's shards resharded into the servers' tensor-parallel layout, no gather, "
+        "not checked before the swap. gloo and nccl check each update against its "
         "manifest before the swap (one host copy of the export per worker during an update, "
         "so a tensor-parallel-8 server holds 8; "
         "servers from `titan-learner serve`).",

