@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from tests.support.models import batches, tiny_config, with_ref_log_probs
-from tests.support.scenarios import STEPS, loss_parameter_rejected, run_layouts
+from tests.support.scenarios import (
+    LORA,
+    STEPS,
+    capture_gradients,
+    frozen_base,
+    lora_checks,
+    loss_parameter_rejected,
+    run_layouts,
+)
 from tests.support.worlds import run_world
 from titan_learner.learner.local import LocalLearner
 from titan_learner.learner.loss.correction import CORRECTION_METRICS
@@ -171,6 +179,18 @@ WORLD2 = {
         "accumulate": True,
         "varied": True,
     },
+    # LoRA (every Linear but the head): the adapters sharded by the model's own plan, their
+    # gradients reduced over ranks and micro-batches, the base never touched.
+    "lora dp_shard=2": {"sections": {"parallelism": {"dp_shard": 2}, "model": {"lora": LORA}}},
+    "lora varied dp_shard=2 accumulate 2": {
+        "sections": {
+            "parallelism": {"dp_shard": 2},
+            "learner": {"grad_accum_steps": 2},
+            "model": {"lora": LORA},
+        },
+        "accumulate": True,
+        "varied": True,
+    },
 }
 WORLD4 = {
     "dp_shard=2 x tp=2": {"sections": {"parallelism": {"dp_shard": 2, "tp": 2}}},
@@ -196,6 +216,16 @@ WORLD4 = {
         "sections": {"parallelism": {"dp_shard": 2, "tp": 2}},
         "model": "qwen3",
     },
+    "lora dp_shard=2 x tp=2": {
+        "sections": {"parallelism": {"dp_shard": 2, "tp": 2}, "model": {"lora": LORA}},
+    },
+    "lora varied HSDP 2x2": {
+        "sections": {
+            "parallelism": {"dp_replicate": 2, "dp_shard": 2},
+            "model": {"lora": LORA},
+        },
+        "varied": True,
+    },
 }
 
 
@@ -207,8 +237,11 @@ def local_run(
     skipped: int | None = None,
 ) -> dict:
     """The one-process reference: one update per global batch (prompts never shared), but
-    the `skipped`-th."""
+    the `skipped`-th. With [model.lora], also each step's gradients and the base's fate."""
     learner = LocalLearner(tiny_config(model, **(sections or {})))
+    lora = learner.config.model.lora is not None
+    if lora:
+        base_before, gradients = frozen_base(learner), capture_gradients(learner)
     steps = batches(STEPS, varied=varied, grouped=grouped)
     steps = [batch for i, batch in enumerate(steps) if i != skipped]
     if learner.config.loss.kwargs.get("kl_to_ref_coeff"):
@@ -217,6 +250,7 @@ def local_run(
     return {
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
         "weights": dict(learner.get_weights(dtype=torch.float32).items()),
+        **(lora_checks(learner, base_before, gradients) if lora else {}),
     }
 
 
@@ -231,6 +265,8 @@ def qwen3_reference():
 
 
 def reference_for(layout: str, reference, qwen3_reference):
+    if layout.startswith("lora"):
+        return lora_reference(" varied " in layout)
     if layout.startswith("grouped"):
         return grouped_reference()
     if layout.startswith("varied"):
@@ -263,9 +299,22 @@ def varied_reference(layout: str) -> dict:
     return local_run("llama3", varied=True, sections=sections)
 
 
+@functools.cache
+def lora_reference(varied: bool) -> dict:
+    """The one-process LoRA run: adapters, gradients and base to compare every layout with."""
+    return local_run("llama3", varied=varied, sections={"model": {"lora": LORA}})
+
+
 @pytest.fixture(scope="module")
-def world2():
-    return run_world(2, run_layouts, WORLD2)
+def lora_saved(tmp_path_factory):
+    """Where the dp_shard=2 LoRA layout saves its checkpoint after its steps."""
+    return str(tmp_path_factory.mktemp("lora_dp_shard_2"))
+
+
+@pytest.fixture(scope="module")
+def world2(lora_saved):
+    layouts = {**WORLD2, "lora dp_shard=2": {**WORLD2["lora dp_shard=2"], "save_to": lora_saved}}
+    return run_world(2, run_layouts, layouts)
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +372,10 @@ def test_one_process_titan_learner_matches_local(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name in WORLD2 if name != "poisoned dp_shard=2"])
+@pytest.mark.parametrize(
+    "layout",
+    [name for name in WORLD2 if name != "poisoned dp_shard=2" and not name.startswith("lora")],
+)
 def test_two_process_layouts_match_local(world2, reference, qwen3_reference, layout):
     reference = reference_for(layout, reference, qwen3_reference)
     rank0, rank1 = world2
@@ -380,3 +432,52 @@ def test_trainable_loss_parameters_are_rejected_under_data_parallelism():
     for message in messages:
         assert message.startswith("the loss module has trainable parameters of its own (scale)")
         assert "with 2 data-parallel ranks their gradients would not be synchronized" in message
+
+
+LORA_LAYOUTS = [(2, name) for name in WORLD2 if name.startswith("lora")] + [
+    (4, name) for name in WORLD4 if name.startswith("lora")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("size", "layout"), LORA_LAYOUTS)
+def test_lora_layouts_match_local_in_value_and_every_adapter_gradient(world2, world4, size, layout):
+    """A LoRA step under FSDP, accumulation, dp x tp and HSDP equals the one-process LoRA step:
+    metrics, merged weights, each adapter's gradient at every step; the base stays bit-identical
+    on every rank, and the optimizer holds the adapters alone."""
+    world = world2 if size == 2 else world4
+    reference = lora_reference(" varied " in layout)
+    result = world[0][layout]
+    assert_matches(result, reference)
+    adapters = sorted(reference["gradients"][0])
+    assert adapters and all(".lora_a." in n or ".lora_b." in n for n in adapters)
+    assert result["optimized"] == reference["optimized"] == adapters
+    assert len(result["gradients"]) == len(reference["gradients"]) == STEPS
+    for step, (got, want) in enumerate(
+        zip(result["gradients"], reference["gradients"], strict=True)
+    ):
+        assert sorted(got) == adapters
+        for name in adapters:
+            torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=0, msg=(step, name))
+    # B starts at zero, so A's first gradient is zero; from step 2 on both move
+    assert all(float(g.abs().max()) > 0 for g in reference["gradients"][1].values())
+    assert all(rank[layout]["base_unchanged"] for rank in world)
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_of_two_ranks_resumes_exactly_on_one_process(world2, lora_saved):
+    """Resharded by DCP from dp_shard=2 into a one-process learner: the adapters, the step and
+    the next update equal those of the one-process run that trained alone."""
+    learner = LocalLearner(tiny_config(model={"lora": LORA}))
+    learner.load(lora_saved)
+    assert learner.step == STEPS
+    saved = world2[0]["lora dp_shard=2"]["weights"]
+    for name, tensor in learner.get_weights(dtype=torch.float32).items():
+        assert torch.equal(tensor, saved[name]), name
+    alone = LocalLearner(tiny_config(model={"lora": LORA}))
+    for batch in batches(STEPS):
+        alone.update(batch)
+    following = batches(STEPS + 1, seed=1)[-1]
+    got, want = learner.update(following.clone()), alone.update(following.clone())
+    for key in ("loss_objective", "grad_norm"):
+        assert float(got[key]) == pytest.approx(float(want[key]), abs=TOL), key

@@ -8,12 +8,71 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tests.support.models import batches, tiny_config, with_ref_log_probs
 from titan_learner.learner.loss.normalization import step_counts
 from titan_learner.learner.titan import TitanLearner
+from titan_learner.weights.export import unwrapped_name
+from titan_learner.weights.lora import is_adapter
 
 STEPS = 3
+LORA = {"rank": 4, "alpha": 8.0}
+"""[model.lora] of the LoRA layouts: every Linear but the output head, scale 2."""
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A full copy of a (DTensor-sharded) tensor: a collective where it is sharded."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def capture_gradients(learner) -> list[dict[str, torch.Tensor]]:
+    """Each optimizer step's gradients as the optimizer sees them (reduced over ranks and
+    clipped), whole, by parameter name: appended to the returned list at every step."""
+    names = {id(p): unwrapped_name(n) for n, p in learner.model.named_parameters()}
+    captured: list[dict[str, torch.Tensor]] = []
+
+    def hook(optimizer, args, kwargs) -> None:
+        captured.append(
+            {
+                names[id(p)]: whole(p.grad)
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if p.grad is not None
+            }
+        )
+
+    for inner in learner.optimizer.optimizers:
+        inner.register_step_pre_hook(hook)
+    return captured
+
+
+def frozen_base(learner) -> dict[str, torch.Tensor]:
+    """Every parameter but the LoRA adapters, whole (a collective on sharded learners)."""
+    return {
+        unwrapped_name(n): whole(p)
+        for n, p in learner.model.named_parameters()
+        if not is_adapter(n)
+    }
+
+
+def lora_checks(learner, base_before: dict, gradients: list) -> dict[str, Any]:
+    """What a LoRA layout reports besides metrics and weights: the adapter gradients of each
+    step, whether the frozen base is bit-identical to its start, what the optimizer holds."""
+    base_after = frozen_base(learner)
+    optimized = {
+        id(p)
+        for inner in learner.optimizer.optimizers
+        for g in inner.param_groups
+        for p in g["params"]
+    }
+    trained = [unwrapped_name(n) for n, p in learner.model.named_parameters() if id(p) in optimized]
+    return {
+        "gradients": gradients,
+        "base_unchanged": base_before.keys() == base_after.keys()
+        and all(torch.equal(base_before[k], base_after[k]) for k in base_before),
+        "optimized": sorted(trained),
+    }
 
 
 def train_layout(
@@ -24,6 +83,7 @@ def train_layout(
     varied: bool = False,
     grouped: bool = False,
     poisoned_step: int | None = None,
+    save_to: str | None = None,
 ) -> dict[str, Any]:
     """STEPS updates on the shared synthetic batches; metrics on every rank, weights on rank 0.
 
@@ -33,9 +93,13 @@ def train_layout(
     window's `step_counts` (otherwise its halves are normalized alone, per_microbatch_mean);
     grouped=True: rows in groups sharing a prompt, as rollouts are.
     poisoned_step=i: rank 0's advantages are NaN at step i (a non-finite loss on one rank).
+    save_to: a checkpoint root the learner saves into after its steps.
     """
     config = tiny_config(model, **sections)
     learner = TitanLearner.from_config(config)
+    lora = config.model.lora is not None
+    if lora:
+        base_before, gradients = frozen_base(learner), capture_gradients(learner)
     needs_ref = bool(config.loss.kwargs.get("kl_to_ref_coeff"))
     metrics = []
     for step, batch in enumerate(batches(steps, varied=varied, grouped=grouped)):
@@ -51,6 +115,8 @@ def train_layout(
             metrics.append(dict(out.items()))
         else:
             metrics.append(dict(learner.update(local).items()))
+    if save_to is not None:
+        learner.save(save_to)
     weights = learner.get_weights(dtype=torch.float32)
     # Exported tensors are copies: changing them leaves the learner alone (a collective re-export).
     originals = {k: v.clone() for k, v in weights.items()}
@@ -63,6 +129,7 @@ def train_layout(
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
         "weights": {k: v.clone() for k, v in weights.items()},
         "capabilities": learner.capabilities,
+        **(lora_checks(learner, base_before, gradients) if lora else {}),
     }
 
 

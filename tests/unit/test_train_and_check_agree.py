@@ -122,6 +122,22 @@ BAD = {
         "step with training, and max_off_policy_steps = 1 samples ahead in a rollout thread; "
         "allowed: max_off_policy_steps = 0, or weight_transfer nccl or gloo",
     ),
+    "nccl_m2n with lora": (
+        [
+            'rollout.generator="vllm"',
+            'rollout.model_path="engine"',
+            'rollout.vllm.weight_transfer="nccl_m2n"',
+            "model.lora.rank=8",
+        ],
+        "[rollout.vllm] weight_transfer: 'nccl_m2n' sends each trainer rank's own shards without "
+        "gathering them, and [model.lora] pushes merged weights (W + alpha/rank B A), which need "
+        "the whole adapters; allowed: weight_transfer nccl, gloo or auto with [model.lora]",
+    ),
+    "lora target that matches nothing": (
+        ['model.lora.target_modules=["wq", "wo"]'],
+        "[model.lora] target_modules: 'wq' matches no Linear of the llama3 model; allowed: one or "
+        "more of lm_head, w1, w2, w3, wo, wqkv (q, k and v are one fused Linear, wqkv)",
+    ),
     "token budget shorter than a sequence": (
         ["learner.max_tokens_per_microbatch=20"],
         "[learner] max_tokens_per_microbatch: max_tokens_per_microbatch = 20 is shorter than the "

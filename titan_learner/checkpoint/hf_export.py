@@ -46,6 +46,7 @@ import torch
 
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.layout import LATEST, METADATA, resolve
+from titan_learner.checkpoint.lora_base import check_base
 from titan_learner.checkpoint.model_weights import load_model_weights
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config, ModelOverrides
@@ -58,7 +59,8 @@ from titan_learner.data.serving_files import (
 from titan_learner.data.tokenizer import load_tokenizer, tokenizer_dir
 from titan_learner.dtypes import dtype_name, parse_dtype
 from titan_learner.model.architecture_record import ARCHITECTURE_FILE, recorded_architecture
-from titan_learner.model.initial_state import materialize
+from titan_learner.model.initial_state import full_initial_state, load_full_state, materialize
+from titan_learner.model.lora import base_fingerprint
 from titan_learner.model.spec import build_meta, model_spec
 from titan_learner.weights.export import iter_hf_tensors
 
@@ -114,6 +116,8 @@ def export_checkpoint(
     with torch.random.fork_rng(devices=[]):
         spec = _model_spec(config, _root(checkpoint_dir))
         model = _plain_model(spec)
+        if config.model.lora is not None:
+            _load_lora_base(model, spec, config, checkpoint_dir)
         load_model_weights(model, checkpoint_dir, step)
         weights = {name: tensor.to(torch_dtype) for name, tensor in iter_hf_tensors(model, spec)}
         del model
@@ -208,6 +212,23 @@ def _plain_model(spec: ModelSpec) -> torch.nn.Module:
     model = build_meta(spec)
     materialize(model, torch.device("cpu"))
     return model
+
+
+def _load_lora_base(
+    model: torch.nn.Module, spec: ModelSpec, config: Config, checkpoint_dir: Path
+) -> None:
+    """A LoRA checkpoint holds the adapters alone: the base they adapt is the run's initial
+    weights, read again and checked against the fingerprint the run recorded."""
+    base = config.model.hf_checkpoint
+    if base and not Path(base).is_dir():
+        raise ExportError(
+            f"the checkpoint holds LoRA adapters, not the base model they adapt ([model] "
+            f"hf_checkpoint {base}, not found here); allowed: export where that directory is, "
+            "or pass --config FILE with hf_checkpoint naming a copy of it"
+        )
+    full = full_initial_state(spec, config.model, config.run.seed, config.source)
+    check_base(checkpoint_dir, base_fingerprint(full), base)
+    load_full_state(model, full)
 
 
 @contextlib.contextmanager

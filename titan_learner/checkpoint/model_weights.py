@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from titan_learner.checkpoint.agreement import dcp_call
 from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.safe_read import SafeLoadPlanner, SafeReader, open_step
+from titan_learner.model.lora import checkpointed_state, load_checkpointed_state
 
 MODEL_KEY = "model"
 
@@ -62,7 +63,7 @@ def load_model_weights(
     naming the differing tensors. Records are checksum-verified as in a full load.
     """
     path, metadata, checksums = open_step(Path(directory), step)
-    state = model.state_dict()
+    state = checkpointed_state(model)  # with LoRA the adapters alone, on the base already in
     mismatch = model_mismatch(
         saved_model_shapes(metadata), {k: tuple(v.shape) for k, v in state.items()}
     )
@@ -77,5 +78,5 @@ def load_model_weights(
             planner=SafeLoadPlanner(),
             no_dist=True,
         )
-        model.load_state_dict(state, strict=True)
+        load_checkpointed_state(model, state)
     return path

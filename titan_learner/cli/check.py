@@ -35,8 +35,9 @@ def plan(config: Config, world_size: int) -> Plan:
     skipped = read_prompts(config)
     shards = validated.dp_shard * validated.tp
     master = 4 * validated.parameters // shards  # fp32 sharded parameters (FSDP's masters)
-    moments = 2 * master  # Adam/AdamW exp_avg and exp_avg_sq
-    memory = {"parameters": master, "gradients": master, "optimizer": moments}
+    trained = 4 * validated.trainable // shards  # with [model.lora], the adapters alone
+    moments = 2 * trained  # Adam/AdamW exp_avg and exp_avg_sq
+    memory = {"parameters": master, "gradients": trained, "optimizer": moments}
     frozen = frozen_copies(config)
     if frozen:
         memory["frozen"] = frozen * master
@@ -94,11 +95,12 @@ def read_prompts(config: Config) -> int | None:
 
 
 def frozen_copies(config: Config) -> int:
-    """Parameter copies the job holds besides the policy, sharded like it: the KL reference,
-    and the weights kept for stale steps' log-prob mismatch (k for k steps off-policy)."""
+    """Parameter copies the job holds besides the policy, sharded like it: the KL reference
+    (none with [model.lora]: the base itself), and the weights kept for stale steps' log-prob
+    mismatch (k for k steps off-policy)."""
     from titan_learner.job.kl_reward import uses_reference
 
-    reference = 1 if uses_reference(config) else 0
+    reference = 1 if uses_reference(config) and config.model.lora is None else 0
     rollout = config.rollout
     kept = rollout.max_off_policy_steps if rollout.stale_logprob_mismatch else 0
     return reference + kept
@@ -113,9 +115,17 @@ def render(config: Config, p: Plan) -> str:
         "",
         f"world size: {v.world_size}   mesh: {mesh}",
         f"parameters: {v.parameters:,} ({_count(v.parameters)})",
-        "memory per rank (fp32 masters, gradients and Adam moments, and any frozen copies: the "
-        "KL reference, weights kept for stale steps; sharded over dp_shard x tp; activations "
-        "excluded; vllm: a colocated engine's weights and KV cache):",
+        *(
+            [
+                f"trainable: {v.trainable:,} ({_count(v.trainable)}, the LoRA adapters); "
+                f"frozen: {v.parameters - v.trainable:,} ({_count(v.parameters - v.trainable)})"
+            ]
+            if v.trainable != v.parameters
+            else []
+        ),
+        "memory per rank (fp32 masters, gradients and Adam moments of the trainable ones, and "
+        "any frozen copies: the KL reference, weights kept for stale steps; sharded over "
+        "dp_shard x tp; activations excluded; vllm: a colocated engine's weights and KV cache):",
     ]
     lines += [f"  {k:<10} {_size(n):>12}" for k, n in p.bytes_per_rank.items()]
     lines.append(f"  {'total':<10} {_size(total):>12}")

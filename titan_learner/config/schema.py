@@ -42,6 +42,27 @@ class ModelOverrides:
 
 
 @dataclass
+class LoRASection:
+    """[model.lora]: train low-rank adapters on a frozen base (TorchTitan's LoRAConverter).
+
+    Target Linear layers become W x + alpha/rank x B A x with W frozen, A seeded (Kaiming) and
+    B zero, so training starts at the base model. Only A and B are in the optimizer and in the
+    checkpoints; the KL reference is the base itself (the adapters switched off)."""
+
+    rank: int = field(default=16, metadata=POSITIVE)
+    """The adapters' rank r (A is r x in, B is out x r)."""
+    alpha: float = field(default=32.0, metadata={"min": 0.0, "not": (0.0,), "allowed": "> 0"})
+    """The adapters' scale is alpha / rank."""
+    target_modules: list[str] | None = None
+    """The Linear layers to adapt, by TorchTitan's names (the last part of the module's name):
+    wqkv (q, k and v, fused in one Linear in TorchTitan 0.3.0), wo, w1, w2, w3, lm_head. Unset:
+    every Linear but the output head (lm_head)."""
+    push: Literal["merged"] = "merged"
+    """What rollout engines receive each step: merged, the full weights with the adapters
+    folded in (W + alpha/rank x B A), which every generator and engine loads as today."""
+
+
+@dataclass
 class ModelSection:
     name: Literal["llama3", "qwen3"] = "llama3"
     """The TorchTitan model family: its registry, sharding plan and state-dict adapter."""
@@ -57,6 +78,8 @@ class ModelSection:
     """Random initial weights without hf_checkpoint: TorchTitan's init, or the matching
     transformers model's (std 0.02 everywhere), which small models trained from scratch prefer."""
     overrides: ModelOverrides = field(default_factory=ModelOverrides)
+    lora: LoRASection | None = None
+    """[model.lora]: train LoRA adapters on the frozen model instead of every weight."""
 
 
 @dataclass

@@ -467,8 +467,13 @@ def _run(config: Config, resume: bool, verbosity: Verbosity) -> list[dict[str, f
         check_resume_model(checkpoints, config)  # what the keys cannot say: the shapes
     inputs = read_inputs(config)  # every input problem surfaces before the model is built
     learner = TitanLearner.from_config(config)
-    # The KL anchor: the initial policy, rebuilt from the config (so also on --resume).
-    reference = ReferenceModel(config, learner.parallel_dims) if uses_reference(config) else None
+    # The KL anchor: the initial policy, rebuilt from the config (so also on --resume); with
+    # LoRA the base itself, the learner's model with its adapters off.
+    reference = None
+    if uses_reference(config) and config.model.lora is not None:
+        reference = ReferenceModel.base_of(config, learner.model, learner.device)
+    elif uses_reference(config):
+        reference = ReferenceModel(config, learner.parallel_dims)
     loader = PromptLoader(inputs.train, config.rollout.prompts_per_step, config.run.seed)
     say = print if rank() == 0 else (lambda *args, **kwargs: None)
     queued: dict[str, torch.Tensor] = {}  # rollouts sampled ahead, saved at a preemption

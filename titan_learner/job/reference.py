@@ -9,7 +9,8 @@ would be padded with `ref_log_prob_padding_value` (0.0 by default).
 
 `ReferenceModel` is the policy's starting point, frozen: built by `build_model(config)`
 from the same config as the learner (same initial weights, same TorchTitan sharding), parameters
-without gradients, eval mode, no optimizer. `log_probs` scores the positions its caller reads
+without gradients, eval mode, no optimizer. A LoRA policy's starting point is its frozen base:
+its reference is the learner's own model with the adapters switched off (`base_of`). `log_probs` scores the positions its caller reads
 (`kl_log_probs`: the response under the default "rlhf" masking; every real token under the
 other strategies) and writes 0.0 elsewhere. Scoring only the response lets `[learner]
 share_prompts` run each group's prompt once in the reference's forward too, as in the
@@ -19,10 +20,14 @@ distribution), as in the policy's own shifted convention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDictBase
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from titan_learner.config.loss_values import PROJECT_DEFAULTS
@@ -30,6 +35,7 @@ from titan_learner.dtypes import DTYPES
 from titan_learner.learner.batch import ASSISTANT_MASK_KEY, ATTENTION_MASK_KEY, TOKENS_KEY
 from titan_learner.learner.forward.policy import TitanPolicy
 from titan_learner.model.build import build_model
+from titan_learner.model.lora import adapters_off
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
@@ -55,10 +61,29 @@ class ReferenceModel:
         cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=cuda):
             built = build_model(config, dims=dims, initial_weights=initial_weights)
-        self.model = built.model.requires_grad_(False).eval()
-        if isinstance(self.model, FSDPModule):  # see `_reshard`
-            self.model.set_reshard_after_forward(True)
-        self.device = built.device
+        model = built.model.requires_grad_(False).eval()
+        if isinstance(model, FSDPModule):  # see `_reshard`
+            model.set_reshard_after_forward(True)
+        self._setup(config, model, built.device, nullcontext)
+
+    @classmethod
+    def base_of(cls, config: Config, model: nn.Module, device: torch.device) -> ReferenceModel:
+        """A LoRA policy's reference: its own `model` with the adapters switched off
+        (model.lora.adapters_off), which is the frozen base, exactly; no second copy."""
+        reference = cls.__new__(cls)
+        reference._setup(config, model, device, partial(adapters_off, model))
+        return reference
+
+    def _setup(
+        self,
+        config: Config,
+        model: nn.Module,
+        device: torch.device,
+        base: Callable[[], AbstractContextManager],
+    ) -> None:
+        self.model = model
+        self.device = device
+        self._base = base  # the context the reference's forward runs in
         learner = config.learner
         self.policy = TitanPolicy(
             self.model,
@@ -84,7 +109,7 @@ class ReferenceModel:
         tokens = batch.get(TOKENS_KEY).to(self.device)
         attention = batch.get(ATTENTION_MASK_KEY).to(self.device)
         scored_at = attention if mask is None else attention & mask.to(self.device)
-        with torch.autocast(**self._autocast):
+        with torch.autocast(**self._autocast), self._base():
             if self.policy.logprob_chunk_size:  # no [B, T, V] logits; 0 off the mask
                 scored = self.policy.token_dist(tokens, attention, scored_at).log_prob(tokens)
                 self._reshard()

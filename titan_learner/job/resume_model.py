@@ -16,6 +16,7 @@ from titan_learner.checkpoint.model_weights import model_mismatch, saved_model_s
 from titan_learner.checkpoint.safe_read import read_metadata
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
+from titan_learner.model.lora import checkpointed_state
 from titan_learner.model.spec import build_meta, model_spec
 from titan_learner.weights.export import unwrapped_name
 
@@ -25,7 +26,7 @@ def check_resume_model(checkpoints: Path, config: Config) -> None:
     path = resolve(checkpoints)
     saved = {unwrapped_name(k): v for k, v in saved_model_shapes(read_metadata(path)).items()}
     model = build_meta(model_spec(config.model, "sdpa", config.source), config.source)
-    here = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    here = {name: tuple(tensor.shape) for name, tensor in checkpointed_state(model).items()}
     mismatch = model_mismatch(saved, here)
     if mismatch:
         raise ConfigError(

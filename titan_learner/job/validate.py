@@ -40,6 +40,7 @@ class Validated:
     device_type: str
     attention: str
     parameters: int
+    trainable: int  # parameters the optimizer steps: all, or [model.lora]'s adapters
     warnings: list[str] = field(default_factory=list)
 
 
@@ -94,6 +95,7 @@ def validate(
         device_type=device,
         attention=attention,
         parameters=shape.parameters,
+        trainable=shape.trainable,
         warnings=warnings,
     )
 
@@ -106,6 +108,7 @@ def _requested_device(config: Config) -> str:
 @dataclass(frozen=True)
 class ModelShape:
     parameters: int
+    trainable: int
     vocab_size: int
     max_seq_len: int  # the longest sequence its RoPE tables cover
 
@@ -120,6 +123,7 @@ def check_model_shape(config: Config) -> ModelShape:
     model = build_meta(spec, config.source)
     return ModelShape(
         parameters=sum(p.numel() for p in model.parameters()),
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         vocab_size=spec.model.vocab_size,
         max_seq_len=spec.model.layers[0].attention.rope.max_seq_len,
     )

@@ -62,6 +62,7 @@ class Learner(StepperTrainer):
     the stepper's trainer (`compute_loss`, ...) is its base, titan_learner.learner.step."""
 
     parallel_dims: ParallelDims | None = None  # TorchTitan's mesh; None for LocalLearner
+    base_fingerprint: str | None = None  # LoRA: the base its adapters fit (model.lora)
 
     def __init__(
         self,

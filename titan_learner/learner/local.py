@@ -40,3 +40,4 @@ class LocalLearner(Learner):
                 sharded=False,
             ),
         )
+        self.base_fingerprint = built.base_fingerprint

@@ -17,6 +17,7 @@ from torch import nn
 
 from titan_learner.checkpoint.packing import pack_param_groups, unpack_param_groups
 from titan_learner.learner.optim.guards import load_loss_own_state, loss_own_state
+from titan_learner.model.lora import checkpointed_state, load_checkpointed_state
 from titan_learner.ranks import rank
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def checkpoint_state(learner: Learner, clone: bool = True) -> dict[str, Any]:
     stepper = learner.stepper
     counters = stepper.counters() if hasattr(stepper, "counters") else {}
     return {
-        "model": copy(learner.model.state_dict()),
+        "model": copy(checkpointed_state(learner.model)),
         "optimizer": optimizer_state(learner.optimizer, copy),
         "lr_scheduler": learner.lr_scheduler.state_dict(),
         "loss": copy(loss_own_state(learner.loss_module, learner.model)),
@@ -61,7 +62,7 @@ def optimizer_state(optimizer, copy: Callable[[dict[str, Any]], dict[str, Any]])
 
 def load_checkpoint_state(learner: Learner, state: dict[str, Any]) -> None:
     """Restore a `checkpoint_state`; a mid-window state restarts its accumulation window."""
-    learner.model.load_state_dict(state["model"], strict=True)
+    load_checkpointed_state(learner.model, state["model"])
     learner.optimizer.load_state_dict(unpack_param_groups(state["optimizer"]))
     with warnings.catch_warnings():  # torch's scheduler calls get_lr() while loading
         warnings.filterwarnings("ignore", message="To get the last learning rate computed")
@@ -90,12 +91,15 @@ def save(learner: Learner, directory: str, **options: Any) -> Any:
     architecture beside the steps (`directory/config.toml`, `model_config.json`)."""
     from titan_learner import checkpoint
     from titan_learner.checkpoint.layout import save_resolved_config
+    from titan_learner.checkpoint.lora_base import record_base
     from titan_learner.model.architecture_record import record_architecture
 
     if rank() == 0:
         Path(directory).mkdir(parents=True, exist_ok=True)
         save_resolved_config(learner.config, directory)
         record_architecture(learner.spec, directory)
+        if learner.base_fingerprint is not None:
+            record_base(directory, learner.base_fingerprint, learner.config.model.hf_checkpoint)
     return checkpoint.save(learner, directory, **options)
 
 
@@ -103,8 +107,13 @@ def load(
     learner: Learner, directory: str, hyperparameters_from_config: bool, **options: Any
 ) -> Any:
     """titan_learner.checkpoint.load; hyperparameters_from_config=True puts the config's
-    optimizer settings and loss buffers back over the checkpoint's."""
+    optimizer settings and loss buffers back over the checkpoint's. LoRA adapters load only
+    onto the base they were trained on (checked before any record is read)."""
     from titan_learner import checkpoint
+    from titan_learner.checkpoint.lora_base import check_base
+
+    if learner.base_fingerprint is not None:
+        check_base(directory, learner.base_fingerprint, learner.config.model.hf_checkpoint)
 
     own = loss_own_state(learner.loss_module, learner.model)
     buffers = {  # the config's values, kept only when they are to win over the checkpoint's

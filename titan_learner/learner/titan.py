@@ -52,4 +52,5 @@ class TitanLearner(Learner):
             ),
         )
         learner.parallel_dims = dims  # the mesh, for models sharded alike (a reference)
+        learner.base_fingerprint = built.base_fingerprint
         return learner

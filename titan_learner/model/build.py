@@ -16,6 +16,7 @@ from torch import nn
 
 from titan_learner.config.validate import attention_backend, device_type, require_hf_checkpoint
 from titan_learner.model.initial_state import full_initial_state, load_full_state, materialize
+from titan_learner.model.lora import base_fingerprint
 from titan_learner.model.parallelize import (
     build_parallel_dims,
     init_process_group,
@@ -37,6 +38,8 @@ class BuiltModel:
     spec: ModelSpec
     dims: ParallelDims | None  # None: a plain, unsharded model
     device: torch.device
+    base_fingerprint: str | None = None
+    """[model.lora] with initial weights: the frozen base's checksum (model.lora)."""
 
 
 def build_model(
@@ -78,6 +81,15 @@ def build_model(
         torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
     )
     materialize(model, place)
+    fingerprint = None
     if full is not None:
         load_full_state(model, full)
-    return BuiltModel(model=model, spec=spec, dims=dims if sharded else None, device=place)
+        if config.model.lora is not None:
+            fingerprint = base_fingerprint(full)
+    return BuiltModel(
+        model=model,
+        spec=spec,
+        dims=dims if sharded else None,
+        device=place,
+        base_fingerprint=fingerprint,
+    )

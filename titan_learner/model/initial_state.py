@@ -17,6 +17,7 @@ from torch import nn
 
 from titan_learner.config.errors import ConfigError
 from titan_learner.model.spec import build_meta
+from titan_learner.weights.lora import lora_modules
 from titan_learner.weights.matching import match_named_tensors
 
 if TYPE_CHECKING:
@@ -40,16 +41,39 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def full_initial_state(
     spec: ModelSpec, section: ModelSection, seed: int, source: str = "<config>"
 ) -> dict[str, torch.Tensor]:
-    """The layout-independent starting weights: an HF checkpoint, or a seeded full init on CPU."""
-    if section.hf_checkpoint:
-        return load_hf_checkpoint(spec, section.hf_checkpoint, source)
-    if section.init == "transformers":
-        return transformers_initial_state(spec, seed)
+    """The layout-independent starting weights: an HF checkpoint, or a seeded full init on CPU;
+    with [model.lora], seeded adapters beside a base read from a checkpoint or transformers."""
+    if section.hf_checkpoint or section.init == "transformers":
+        if section.hf_checkpoint:
+            state = load_hf_checkpoint(spec, section.hf_checkpoint, source)
+        else:
+            state = transformers_initial_state(spec, seed)
+        if section.lora is not None:
+            state.update(initial_adapters(spec, seed))
+        return state
     model = build_meta(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         materialize(model, torch.device("cpu"))
     return {k: v for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def initial_adapters(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded starting adapters for a base read from a checkpoint (which has none): each layer's
+    own init (Kaiming A, zero B), drawn on the CPU in module order from `seed`, whatever the
+    layout, as the rest of the initial state is."""
+    model = build_meta(spec)
+    state = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, module in lora_modules(model):
+            for part in ("lora_a", "lora_b"):
+                child = getattr(module, part)
+                child.to_empty(device="cpu")
+                child.init_states()
+                state[f"{name}.{part}.weight"] = child.weight.detach()
+    return state
 
 
 def transformers_initial_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:

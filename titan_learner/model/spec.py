@@ -108,6 +108,10 @@ def model_spec(
 
         for layer in cfg.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if section.lora is not None:
+        from titan_learner.model.lora import apply_lora
+
+        apply_lora(spec, section.lora, source)
     return spec
 
 

@@ -79,6 +79,14 @@ def check_vllm_structure(config: Config) -> None:
             source=source,
             where="[rollout.vllm] weight_transfer",
         )
+    if transfer == "nccl_m2n" and config.model.lora is not None:
+        raise ConfigError(  # LocalShards sends each rank's base shard, not W + scale * B A
+            "'nccl_m2n' sends each trainer rank's own shards without gathering them, and "
+            "[model.lora] pushes merged weights (W + alpha/rank B A), which need the whole "
+            "adapters; allowed: weight_transfer nccl, gloo or auto with [model.lora]",
+            source=source,
+            where="[rollout.vllm] weight_transfer",
+        )
     _check_servers(config)
     _check_server_timeouts(config)
     _check_sleep_level(config)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_learner.dtypes import dtype_name
+from titan_learner.weights.lora import SCALING, is_adapter, merged_weight
 
 if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
@@ -90,7 +91,8 @@ def _fresh_full_tensor(param: torch.Tensor) -> torch.Tensor:
 def titan_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ToStateDict]]:
     """Each parameter once (tied weights once), with its state-dict name and what turns a whole
     copy of it into TorchTitan state-dict tensors: a fused QKV weight is split into wq/wk/wv by
-    TorchTitan's own state-dict hook, any other parameter is itself."""
+    TorchTitan's own state-dict hook, any other parameter is itself. A LoRA layer's weight is
+    exported merged (W + alpha/rank B A, its adapters gathered too), its adapters not apart."""
     from torchtitan.models.common.attention import FusedQKVLinear
 
     seen: set[int] = set()
@@ -99,14 +101,29 @@ def titan_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ToSt
         # A fused QKV module owns its wqkv child's parameters: split them here, skip the child.
         params = module.named_parameters() if fused else module.named_parameters(recurse=False)
         for param_name, param in params:
-            if id(param) in seen:  # tied weights: exported once here, aliased by the caller
-                continue
+            if id(param) in seen or is_adapter(f"{module_name}.{param_name}"):
+                continue  # tied weights: exported once here, aliased by the caller
             seen.add(id(param))
             name = _state_dict_name(module_name, param_name)
             if fused:
-                yield name, param, partial(_split_fused_qkv, module, name, name[: -len(param_name)])
+                to_state_dict = partial(_split_fused_qkv, module, name, name[: -len(param_name)])
             else:
-                yield name, param, partial(_as_is, name)
+                to_state_dict = partial(_as_is, name)
+            owner = module.get_submodule(param_name.rpartition(".")[0])
+            if hasattr(owner, SCALING):
+                to_state_dict = partial(_with_adapters, owner, to_state_dict)
+            yield name, param, to_state_dict
+
+
+def _with_adapters(owner: nn.Module, to_state_dict: ToStateDict, full: torch.Tensor) -> dict:
+    """The merged weight of a LoRA layer from its whole base weight (a collective: the adapters
+    are gathered here, in the same order on every rank)."""
+    lora_a, lora_b = (_whole(getattr(owner, part).weight) for part in ("lora_a", "lora_b"))
+    return to_state_dict(merged_weight(owner, full, lora_a, lora_b))
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 def _split_fused_qkv(module: nn.Module, name: str, prefix: str, full: torch.Tensor) -> dict:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_learner.weights.export import ToStateDict, titan_parameters
+from titan_learner.weights.lora import uses_lora
 
 if TYPE_CHECKING:
     from torchtitan.protocols.model_spec import ModelSpec
@@ -72,6 +73,11 @@ class LocalShards:
     """
 
     def __init__(self, model: nn.Module, spec: ModelSpec, dtype: torch.dtype, world_size: int):
+        if uses_lora(model):  # the config check refuses it first (vllm.checks)
+            raise ValueError(
+                "local shards cannot carry a LoRA model's merged weights (W + alpha/rank B A "
+                "needs the whole adapters); allowed: a gathered export (iter_weights)"
+            )
         adapter = spec.state_dict_adapter(spec.model, None)
         self.dtype = dtype
         self.mesh_dims = _source_mesh(model, world_size)
