@@ -7,6 +7,7 @@ accumulation, dp x tp, HSDP: values and every adapter gradient)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from titan_learner.checkpoint.errors import CheckpointError
 from titan_learner.checkpoint.hf_export import export_checkpoint
 from titan_learner.checkpoint.model_weights import saved_model_shapes
 from titan_learner.checkpoint.safe_read import read_metadata
+from titan_learner.cli import main
 from titan_learner.cli.check import plan, render
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.toml import load_config
@@ -27,6 +29,7 @@ from titan_learner.learner.local import LocalLearner
 from titan_learner.model.build import build_model
 from titan_learner.model.hf_config import hf_config
 from titan_learner.model.initial_state import load_full_state
+from titan_learner.model.lora import adapters_off
 from titan_learner.model.spec import build_meta, model_spec
 from titan_learner.weights.lora import SCALING, is_adapter, lora_modules
 
@@ -71,6 +74,18 @@ def test_bad_lora_settings_are_one_line_before_any_compute(lora, message):
     with pytest.raises(ConfigError) as info:
         validate(lora_config(lora), 1, on_this_machine=False, job=False)
     assert str(info.value) == message
+
+
+def test_a_tied_output_head_is_no_lora_target():
+    config = tiny_config("qwen3", model={"lora": {**LORA, "target_modules": ["wo", "lm_head"]}})
+    assert config.model.name == "qwen3"
+    with pytest.raises(ConfigError) as info:
+        validate(config, 1, on_this_machine=False, job=False)
+    assert str(info.value) == (
+        "tests: [model.lora] target_modules: lm_head shares its weight with the embedding in "
+        "this qwen3 model (tied), which Hugging Face's format and vLLM keep as one tensor; "
+        "allowed: targets other than lm_head (w1, w2, w3, wo, wqkv)"
+    )
 
 
 def test_torchtitan_lora_layers_hold_the_scale_we_read_and_set():
@@ -230,3 +245,59 @@ def test_export_of_a_lora_checkpoint_is_the_merged_model_on_its_base(trained, tm
     with pytest.raises(CheckpointError, match="holds LoRA adapters trained on another base"):
         export_checkpoint(tmp_path / "lora", tmp_path / "hf2", config=moved)
     assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_the_adapter_export_is_a_peft_directory_peft_loads_with_the_merged_logits(name, tmp_path):
+    """`export --adapter`: PEFT's names and config; PeftModel over the base gives the logits of
+    the merged model (the fused QKV adapter split into q, k and v, llama's q/k permutation)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    learner = LocalLearner(tiny_config(name, model={"lora": LORA}))
+    for batch in batches(2):
+        learner.update(batch)
+    learner.save(str(tmp_path / "lora"))
+    code = main(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "lora"),
+            "--out",
+            str(tmp_path / "a"),
+            "--adapter",
+            "--dtype",
+            "fp32",
+        ]
+    )
+    assert code == 0
+    settings = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    modules = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert (settings["peft_type"], settings["r"], settings["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert settings["target_modules"] == modules and settings["base_model_name_or_path"] is None
+    tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * len(modules) * 2  # A and B, 7 modules, 2 layers
+    q_a = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
+    assert q_a.shape == (4, 64) and q_a.dtype == torch.float32
+    with adapters_off(learner.model):
+        base = dict(learner.get_weights(dtype=F32).items())
+    model = AutoModelForCausalLM.from_config(hf_config(learner.spec), dtype=F32).eval()
+    model.load_state_dict(base, strict=True)
+    with torch.no_grad():
+        before = model(tokens()).logits
+        adapted = PeftModel.from_pretrained(model, str(tmp_path / "a")).eval()
+        served = adapted(tokens()).logits
+    torch.testing.assert_close(served, learner_logits(learner, tokens()), atol=1e-5, rtol=0)
+    assert not torch.allclose(before, served, atol=1e-3)  # the adapters made a difference
+
+
+def test_an_adapter_export_of_a_full_run_is_one_line(tmp_path, capsys):
+    full = LocalLearner(tiny_config())
+    full.save(str(tmp_path / "full"))
+    out = str(tmp_path / "a")
+    assert main(["export", "--checkpoint", str(tmp_path / "full"), "--out", out, "--adapter"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {tmp_path / 'full'} is of a run without [model.lora]: it holds no "
+        "adapters; allowed: export without --adapter (the whole model)\n"
+    )
+    assert not (tmp_path / "a").exists()

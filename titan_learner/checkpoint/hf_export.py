@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan_learner.checkpoint.errors import CheckpointError
-from titan_learner.checkpoint.layout import LATEST, METADATA, resolve
+from titan_learner.checkpoint.layout import checkpoint_root, resolve
 from titan_learner.checkpoint.lora_base import check_base
 from titan_learner.checkpoint.model_weights import load_model_weights
 from titan_learner.config.errors import ConfigError
@@ -98,9 +98,39 @@ def export_checkpoint(
     Raises ConfigError, CheckpointError or ExportError with one clear message on bad input,
     before any output exists. The caller's torch RNG state is left as it was.
     """
+    _check_shard_size(max_shard_size)
+    out, checkpoint_dir, config, torch_dtype = prepare_export(
+        checkpoint_dir, out_dir, dtype, config, step
+    )
+    root = checkpoint_root(checkpoint_dir)
+    serving = _serving(config, root)  # a tokenizer problem: before any work
+    with torch.random.fork_rng(devices=[]):
+        spec = export_model_spec(config, root)
+        model = _plain_model(spec)
+        if config.model.lora is not None:
+            _load_lora_base(model, spec, config, checkpoint_dir)
+        load_model_weights(model, checkpoint_dir, step)
+        weights = {name: tensor.to(torch_dtype) for name, tensor in iter_hf_tensors(model, spec)}
+        del model
+    base = config.model.hf_checkpoint
+    base = Path(base) if base and Path(base).is_dir() else None
+    with staging(out) as directory:
+        _write_hf(spec, weights, torch_dtype, directory, base, serving, max_shard_size)
+    return out
+
+
+def prepare_export(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str | torch.dtype | None,
+    config: Config | str | os.PathLike | None,
+    step: int | None,
+) -> tuple[Path, Path, Config, torch.dtype]:
+    """What every export checks before any work (a usable output directory, a committed
+    checkpoint, its config): the output and checkpoint paths, the run's config and the dtype
+    to write (the config's `[learner] export_dtype` where `dtype` is None)."""
     out = Path(out_dir)
     torch_dtype = parse_dtype(dtype) if dtype is not None else None
-    _check_shard_size(max_shard_size)
     _check_out_dir(out)
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -111,21 +141,7 @@ def export_checkpoint(
     config = _resolve_config(checkpoint_dir, config)
     if torch_dtype is None:
         torch_dtype = parse_dtype(config.learner.export_dtype)
-    serving = _serving(config, _root(checkpoint_dir))  # a tokenizer problem: before any work
-
-    with torch.random.fork_rng(devices=[]):
-        spec = _model_spec(config, _root(checkpoint_dir))
-        model = _plain_model(spec)
-        if config.model.lora is not None:
-            _load_lora_base(model, spec, config, checkpoint_dir)
-        load_model_weights(model, checkpoint_dir, step)
-        weights = {name: tensor.to(torch_dtype) for name, tensor in iter_hf_tensors(model, spec)}
-        del model
-    base = config.model.hf_checkpoint
-    base = Path(base) if base and Path(base).is_dir() else None
-    with _staging(out) as staging:
-        _write_hf(spec, weights, torch_dtype, staging, base, serving, max_shard_size)
-    return out
+    return out, checkpoint_dir, config, torch_dtype
 
 
 def _check_shard_size(size: int | str) -> None:
@@ -171,8 +187,8 @@ def _resolve_config(checkpoint_dir: Path, config: Config | str | os.PathLike | N
     if config is not None:
         return load_config(config)
     candidates = [checkpoint_dir / RESOLVED_CONFIG]
-    if _root(checkpoint_dir) != checkpoint_dir:
-        candidates.append(_root(checkpoint_dir) / RESOLVED_CONFIG)
+    if checkpoint_root(checkpoint_dir) != checkpoint_dir:
+        candidates.append(checkpoint_root(checkpoint_dir) / RESOLVED_CONFIG)
     for path in candidates:
         if path.is_file():
             return load_config(path)
@@ -183,13 +199,7 @@ def _resolve_config(checkpoint_dir: Path, config: Config | str | os.PathLike | N
     )
 
 
-def _root(checkpoint_dir: Path) -> Path:
-    """The checkpoint root of a root or a step directory."""
-    is_step_dir = (checkpoint_dir / METADATA).is_file() and not (checkpoint_dir / LATEST).exists()
-    return checkpoint_dir.parent if is_step_dir else checkpoint_dir
-
-
-def _model_spec(config: Config, root: Path) -> ModelSpec:
+def export_model_spec(config: Config, root: Path) -> ModelSpec:
     """The spec of the run's model: the config's, with `hf_checkpoint`'s architecture where
     that directory is here, else the one recorded in the checkpoint root."""
     section = config.model
@@ -232,7 +242,7 @@ def _load_lora_base(
 
 
 @contextlib.contextmanager
-def _staging(out: Path) -> Iterator[Path]:
+def staging(out: Path) -> Iterator[Path]:
     """A hidden sibling directory, renamed onto `out` when the block succeeds, removed if not."""
     staging = out.parent / f".{out.name}.export-{os.getpid()}.tmp"
     try:

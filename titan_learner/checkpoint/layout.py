@@ -160,3 +160,10 @@ def save_resolved_config(config: Config, directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(directory / RESOLVED_CONFIG, resolved_config_text(config))
+
+
+def checkpoint_root(directory: Path) -> Path:
+    """The checkpoint root of a root or a step directory (a step directory has the metadata and
+    no `latest` of its own)."""
+    is_step_dir = (directory / METADATA).is_file() and not (directory / LATEST).exists()
+    return directory.parent if is_step_dir else directory

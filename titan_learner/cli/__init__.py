@@ -105,6 +105,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--step", type=int, default=None, help="step to export (default: the latest)"
     )
     export.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a [model.lora] run's adapters alone, as a PEFT directory (adapter_config.json, "
+        "adapter_model.safetensors) that peft and `vllm serve --enable-lora` load",
+    )
+    export.add_argument(
         "--max-shard-size",
         default="5GB",
         help="split the safetensors into shards of at most this size, with an index "
@@ -235,10 +241,17 @@ def _shard_size(value: str) -> int | str:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from titan_learner.checkpoint.adapter_export import export_adapter
     from titan_learner.checkpoint.errors import CheckpointError
     from titan_learner.checkpoint.hf_export import ExportError, export_checkpoint
 
     try:
+        if args.adapter:
+            out = export_adapter(
+                args.checkpoint, args.out, args.dtype, config=args.config, step=args.step
+            )
+            print(f"exported the LoRA adapters of {args.checkpoint} to {out}")
+            return 0
         out = export_checkpoint(
             args.checkpoint,
             args.out,

@@ -58,6 +58,14 @@ def apply_lora(spec: ModelSpec, section: LoRASection, source: str = "<config>") 
             source=source,
             where="[model.lora] target_modules",
         )
+    if OUTPUT_HEAD in targets and spec.model.enable_weight_tying:
+        raise ConfigError(
+            f"lm_head shares its weight with the embedding in this {spec.name} model (tied), "
+            "which Hugging Face's format and vLLM keep as one tensor; allowed: targets other "
+            f"than lm_head ({', '.join(n for n in names if n != OUTPUT_HEAD)})",
+            source=source,
+            where="[model.lora] target_modules",
+        )
     converter = LoRAConverter(
         LoRAConverter.Config(rank=section.rank, alpha=section.alpha, target_modules=targets)
     )

@@ -88,11 +88,13 @@ def _fresh_full_tensor(param: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def titan_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ToStateDict]]:
-    """Each parameter once (tied weights once), with its state-dict name and what turns a whole
-    copy of it into TorchTitan state-dict tensors: a fused QKV weight is split into wq/wk/wv by
-    TorchTitan's own state-dict hook, any other parameter is itself. A LoRA layer's weight is
-    exported merged (W + alpha/rank B A, its adapters gathered too), its adapters not apart."""
+def _parameters(
+    model: nn.Module,
+) -> Iterator[tuple[str, torch.Tensor, ToStateDict, nn.Module | None]]:
+    """Each parameter once (tied weights once), its state-dict name, what turns a whole copy of
+    it into TorchTitan state-dict tensors (a fused QKV weight is split into wq/wk/wv by
+    TorchTitan's own state-dict hook, any other parameter is itself), and the LoRA layer whose
+    base weight it is (None for any other); adapters are left out."""
     from torchtitan.models.common.attention import FusedQKVLinear
 
     seen: set[int] = set()
@@ -110,20 +112,38 @@ def titan_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ToSt
             else:
                 to_state_dict = partial(_as_is, name)
             owner = module.get_submodule(param_name.rpartition(".")[0])
-            if hasattr(owner, SCALING):
-                to_state_dict = partial(_with_adapters, owner, to_state_dict)
-            yield name, param, to_state_dict
+            yield name, param, to_state_dict, owner if hasattr(owner, SCALING) else None
+
+
+def titan_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ToStateDict]]:
+    """Each parameter once with its state-dict name and conversion (`_parameters`); a LoRA
+    layer's weight is exported merged (W + alpha/rank B A, its adapters gathered too), its
+    adapters not apart."""
+    for name, param, to_state_dict, lora in _parameters(model):
+        if lora is not None:
+            to_state_dict = partial(_with_adapters, lora, to_state_dict)
+        yield name, param, to_state_dict
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[nn.Module, tuple[int, ...], ToStateDict]]:
+    """Each LoRA layer with its base weight's shape and conversion (unmerged): where its
+    adapters go under Hugging Face names (titan_learner.weights.peft)."""
+    for _, param, to_state_dict, lora in _parameters(model):
+        if lora is not None:
+            yield lora, tuple(param.shape), to_state_dict
 
 
 def _with_adapters(owner: nn.Module, to_state_dict: ToStateDict, full: torch.Tensor) -> dict:
     """The merged weight of a LoRA layer from its whole base weight (a collective: the adapters
     are gathered here, in the same order on every rank)."""
-    lora_a, lora_b = (_whole(getattr(owner, part).weight) for part in ("lora_a", "lora_b"))
-    return to_state_dict(merged_weight(owner, full, lora_a, lora_b))
+    return to_state_dict(merged_weight(owner, full, *whole_adapters(owner)))
 
 
-def _whole(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if isinstance(param, DTensor) else param
+def whole_adapters(owner: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LoRA layer's A and B, whole (gathered where sharded: a collective)."""
+    pair = (getattr(owner, part).weight for part in ("lora_a", "lora_b"))
+    lora_a, lora_b = (p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in pair)
+    return lora_a, lora_b
 
 
 def _split_fused_qkv(module: nn.Module, name: str, prefix: str, full: torch.Tensor) -> dict:
