@@ -301,3 +301,57 @@ def test_an_adapter_export_of_a_full_run_is_one_line(tmp_path, capsys):
         "adapters; allowed: export without --adapter (the whole model)\n"
     )
     assert not (tmp_path / "a").exists()
+
+
+ADAPTER_PUSH = {
+    "the embedded generator": (
+        {},
+        {},
+        "generator = 'hf' takes merged weights; allowed: push = 'merged', or generator = 'vllm'",
+    ),
+    "servers": (
+        {"hf_checkpoint": "base"},
+        {"generator": "vllm", "vllm": {"servers": ["http://127.0.0.1:8000"]}},
+        "rollout servers take merged weights (adapters go only to each rank's own engine so "
+        "far); allowed: push = 'merged' with servers",
+    ),
+    "a seeded base": (
+        {},
+        {"generator": "vllm"},
+        "the engine loads the frozen base itself from [model] hf_checkpoint, and a base made "
+        "from a seed has no directory; allowed: hf_checkpoint, or push = 'merged'",
+    ),
+    "another engine model": (
+        {"hf_checkpoint": "base"},
+        {"generator": "vllm", "model_path": "other"},
+        "the engine must start from the base the adapters adapt ([model] hf_checkpoint), not "
+        "[rollout] model_path 'other'; allowed: model_path unset",
+    ),
+    "the output head": (
+        {"hf_checkpoint": "base", "target_modules": ["wo", "lm_head"]},
+        {"generator": "vllm"},
+        "vLLM serves LoRA adapters on attention and MLP layers, not on lm_head; allowed: "
+        "targets without lm_head, or push = 'merged'",
+    ),
+    "a rank vLLM cannot serve": (
+        {"hf_checkpoint": "base", "rank": 1024},
+        {"generator": "vllm"},
+        "rank 1024 is above vLLM's largest LoRA rank; allowed: rank <= 512, or push = 'merged'",
+    ),
+    "vLLM's LoRA arguments": (
+        {"hf_checkpoint": "base"},
+        {"generator": "vllm", "vllm": {"max_lora_rank": 64}},
+        "[rollout.vllm] max_lora_rank is set by [model.lora], not there; allowed: leave it out",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ADAPTER_PUSH))
+def test_an_adapter_push_vllm_cannot_take_is_one_line(case):
+    """Read from the file alone, as the config is loaded (before any check of the machine)."""
+    model, rollout, message = ADAPTER_PUSH[case]
+    base = {"hf_checkpoint": model["hf_checkpoint"]} if "hf_checkpoint" in model else {}
+    lora = {**LORA, "push": "adapter", **{k: v for k, v in model.items() if k not in base}}
+    with pytest.raises(ConfigError) as info:
+        tiny_config(model={"lora": lora, **base}, rollout=rollout)
+    assert str(info.value) == f"tests: [model.lora] push: {message}"

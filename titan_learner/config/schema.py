@@ -57,9 +57,11 @@ class LoRASection:
     """The Linear layers to adapt, by TorchTitan's names (the last part of the module's name):
     wqkv (q, k and v, fused in one Linear in TorchTitan 0.3.0), wo, w1, w2, w3, lm_head. Unset:
     every Linear but the output head (lm_head)."""
-    push: Literal["merged"] = "merged"
-    """What rollout engines receive each step: merged, the full weights with the adapters
-    folded in (W + alpha/rank x B A), which every generator and engine loads as today."""
+    push: Literal["merged", "adapter"] = "merged"
+    """What rollout engines receive each step: merged, the full weights with the adapters folded
+    in (W + alpha/rank x B A), which every generator loads; adapter, the adapters alone (PEFT
+    files, tens of MB for 8B at rank 16), served by each rank's vLLM engine as a LoRA adapter
+    over the base it loads itself from [model] hf_checkpoint (not yet on rollout servers)."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from titan_learner.config.loss_values import (
     correction_table,
 )
 from titan_learner.config.schema import Config, LossSection
+from titan_learner.config.vllm_keys import ENGINE_LORA_KEYS, ENGINE_LORA_RANKS
 
 # The TorchRL loss class behind each [loss] name, imported only when one is built or checked
 # (gspo: titan_learner.learner.loss.gspo, over GRPOLoss).
@@ -76,6 +77,52 @@ def validate_fields(config: Config) -> None:
     check_loss_kwargs(config.loss, config.source)
     check_kl(config)
     check_env(config)
+    check_adapter_push(config)
+
+
+def check_adapter_push(config: Config) -> None:
+    """[model.lora] push = "adapter": what a vLLM engine can serve as a LoRA adapter over a base
+    it loads itself, and where the adapters can go."""
+    lora = config.model.lora
+    if lora is None or lora.push != "adapter":
+        return
+    rollout = config.rollout
+    problem = None
+    if rollout.generator != "vllm":
+        problem = (
+            f"generator = {rollout.generator!r} takes merged weights; allowed: push = 'merged', "
+            "or generator = 'vllm'"
+        )
+    elif rollout.vllm.get("servers"):
+        problem = (
+            "rollout servers take merged weights (adapters go only to each rank's own engine "
+            "so far); allowed: push = 'merged' with servers"
+        )
+    elif not config.model.hf_checkpoint:
+        problem = (
+            "the engine loads the frozen base itself from [model] hf_checkpoint, and a base made "
+            "from a seed has no directory; allowed: hf_checkpoint, or push = 'merged'"
+        )
+    elif rollout.model_path and rollout.model_path != config.model.hf_checkpoint:
+        problem = (
+            f"the engine must start from the base the adapters adapt ([model] hf_checkpoint), "
+            f"not [rollout] model_path {rollout.model_path!r}; allowed: model_path unset"
+        )
+    elif "lm_head" in (lora.target_modules or ()):
+        problem = (
+            "vLLM serves LoRA adapters on attention and MLP layers, not on lm_head; allowed: "
+            "targets without lm_head, or push = 'merged'"
+        )
+    elif lora.rank > ENGINE_LORA_RANKS[-1]:
+        problem = (
+            f"rank {lora.rank} is above vLLM's largest LoRA rank; allowed: rank <= "
+            f"{ENGINE_LORA_RANKS[-1]}, or push = 'merged'"
+        )
+    elif any(key in rollout.vllm for key in ENGINE_LORA_KEYS):
+        key = next(key for key in ENGINE_LORA_KEYS if key in rollout.vllm)
+        problem = f"[rollout.vllm] {key} is set by [model.lora], not there; allowed: leave it out"
+    if problem is not None:
+        raise ConfigError(problem, source=config.source, where="[model.lora] push")
 
 
 # -- the loss -------------------------------------------------------------------------------------

@@ -86,3 +86,9 @@ PASS_THROUGH = (
     "kv_cache_memory_bytes sized for the job's rows unless either sizing key is set."
 )
 """The reference's one row for the keys that pass through to vLLM."""
+
+
+ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM 0.32 takes (vllm.config.lora.MaxLoRARanks)."""
+ENGINE_LORA_KEYS = ("enable_lora", "max_loras", "max_lora_rank")
+"""vLLM's LoRA arguments, set by [model.lora] push = "adapter"."""

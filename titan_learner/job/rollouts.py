@@ -177,7 +177,15 @@ class OffPolicyRollouts(Rollouts):
         from titan_learner.job.sampled import BUCKET_BYTES
 
         sink = HandoffSink(lambda named, _: self.pipeline.publish(step, named))
-        push_weights(self.learner, sink, BUCKET_BYTES, cpu_offload=False, checksum=False)
+        adapters = getattr(self.generator, "takes_adapters", False)
+        push_weights(
+            self.learner,
+            sink,
+            BUCKET_BYTES,
+            cpu_offload=False,
+            checksum=False,
+            adapters=adapters,
+        )
 
     @contextmanager
     def drained(self, step: int, sync: bool) -> Iterator[None]:

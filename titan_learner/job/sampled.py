@@ -49,4 +49,12 @@ def sync_generator(learner, generator) -> None:
     if shards is not None:
         generator.load_weights(shards, learner.policy_version)
         return
-    push_weights(learner, GeneratorSink(generator), BUCKET_BYTES, cpu_offload=False, checksum=False)
+    adapters = getattr(generator, "takes_adapters", False)  # a LoRA run's, to vLLM engines
+    push_weights(
+        learner,
+        GeneratorSink(generator),
+        BUCKET_BYTES,
+        cpu_offload=False,
+        checksum=False,
+        adapters=adapters,
+    )

@@ -37,6 +37,7 @@ from titan_learner.learner.reference_scoring import Reference, with_reference_lo
 from titan_learner.learner.step import StepperTrainer
 from titan_learner.ranks import rank
 from titan_learner.weights.export import DEFAULT_BUCKET_BYTES, WeightExport, iter_hf_tensors
+from titan_learner.weights.peft import iter_peft_tensors
 
 if TYPE_CHECKING:
     from torchrl.trainers.trainers import OptimizationStepper
@@ -160,22 +161,22 @@ class Learner(StepperTrainer):
         dtype: torch.dtype | None = None,
         cpu_offload: bool = True,
         checksum: bool = True,
+        adapters: bool = False,
     ) -> WeightExport:
-        """Stream the weights as buckets of (Hugging Face name, full plain tensor).
+        """Stream the weights as buckets of (Hugging Face name, full plain tensor); adapters=True:
+        a LoRA model's adapters alone, under PEFT's names (weights.peft).
 
         A collective: every rank iterates to the end. Extra memory per rank is about one bucket.
         cpu_offload=True: CPU tensors on rank 0, empty buckets elsewhere; False: tensors on the
         learner's device on every rank. dtype defaults to [learner] export_dtype. The returned
         export's `manifest` (names, shapes, dtypes, version, checksum) is set once iterated.
         checksum=False skips hashing the bytes (a device-to-host copy of every tensor on GPU)
-        where they never leave the process; names and shapes are still in the manifest.
-        """
-        dtype = dtype or DTYPES[self.config.learner.export_dtype]
+        where they never leave the process; names and shapes are still in the manifest."""
         return WeightExport(
-            iter_hf_tensors(self.model, self.spec),
+            (iter_peft_tensors if adapters else iter_hf_tensors)(self.model, self.spec),
             version=self.policy_version,
             bucket_bytes=bucket_bytes,
-            dtype=dtype,
+            dtype=dtype or DTYPES[self.config.learner.export_dtype],
             device=torch.device("cpu") if cpu_offload else self.device,
             keep=not cpu_offload or rank() == 0,
             checksum=checksum,
@@ -184,10 +185,8 @@ class Learner(StepperTrainer):
     @torch.no_grad()
     def get_weights(self, cpu_offload: bool = True, dtype: torch.dtype | None = None) -> TensorDict:
         """All weights as one flat TensorDict keyed by Hugging Face name (see iter_weights).
-
-        cpu_offload=True: CPU copies on rank 0, an empty TensorDict on other ranks.
-        cpu_offload=False: full tensors on the learner's device, on every rank.
-        """
+        cpu_offload=True: CPU copies on rank 0, an empty TensorDict on other ranks; False: full
+        tensors on the learner's device, on every rank."""
         export = self.iter_weights(
             bucket_bytes=2**62, dtype=dtype, cpu_offload=cpu_offload, checksum=False
         )

@@ -17,6 +17,7 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     from titan_learner.vllm.engine_model import engine_model
     from titan_learner.vllm.engine_sleep import default_sleep_level
     from titan_learner.vllm.generator import VLLMGenerator
+    from titan_learner.vllm.lora_adapters import adapter_serving
     from titan_learner.vllm.serve import OWN_KEYS
 
     model_path, model_arguments = engine_model(config)
@@ -28,6 +29,9 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         rows = engine_rows(config, learner.capabilities.data_parallel_size)
         memory = job_engine_memory(config, hf_config(learner.spec), rows=rows)
         engine |= cpu_engine_defaults(engine, memory)
+    lora = config.model.lora
+    if lora is not None and lora.push == "adapter":
+        engine["lora"] = adapter_serving(config, learner.spec)
     return VLLMGenerator(
         model_path,
         dtype=dtype,

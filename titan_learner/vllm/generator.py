@@ -28,6 +28,7 @@ from titan_learner.vllm.backends import (
 )
 from titan_learner.vllm.engine_memory import GPU_ENGINE_SHARE
 from titan_learner.vllm.errors import engine_start_error
+from titan_learner.vllm.lora_adapters import AdapterServing, AdapterSlot
 from titan_learner.vllm.parent_signals import hold_engine
 from titan_learner.vllm.plugin import register
 from titan_learner.weights.matching import match_named_tensors
@@ -129,6 +130,10 @@ class VLLMGenerator:
     `sleep_level` 1 (CUDA only): the engine sleeps between rollouts (titan_learner.vllm.
     engine_sleep), so its GPU memory is the learner's during the update.
 
+    `lora` (a LoRA run's `push = "adapter"`): `model_path` is the frozen base, and each
+    `load_weights` takes the adapters alone (PEFT names), served as a LoRA adapter by every
+    request after it (titan_learner.vllm.lora_adapters).
+
     Weights travel through vLLM's RL weight-transfer API (`weight_transfer`, see
     titan_learner.vllm.backends: "auto" is ipc for an engine on this process's GPU, gloo on the
     CPU), cast to the engine dtype; the engine reports the version it serves.
@@ -145,6 +150,7 @@ class VLLMGenerator:
         device: torch.device | None = None,
         weight_transfer: str = "auto",
         sleep_level: int = 0,
+        lora: AdapterServing | None = None,
         **engine_kwargs: Any,
     ) -> None:
         try:
@@ -173,6 +179,8 @@ class VLLMGenerator:
         engine_kwargs.setdefault("logprobs_mode", "raw_logprobs")
         if sleep_level:
             engine_kwargs["enable_sleep_mode"] = True
+        if lora is not None:
+            engine_kwargs |= lora.engine_arguments()
         if device is not None and device.type == "cuda":
             engine_kwargs.setdefault("gpu_memory_utilization", GPU_ENGINE_SHARE)
         gpus = in_process_gpus(engine_kwargs)
@@ -209,9 +217,21 @@ class VLLMGenerator:
         )
         self._sleep = EngineSleep(self.llm, sleep_level, device if on_gpu else None)
         self._sleep.sleep()  # the learner's first update has the GPU to itself
+        self._adapters = AdapterSlot(self.llm, lora) if lora is not None else None
+
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether pushes are a LoRA run's adapters alone (`lora`), not the full weights."""
+        return self._adapters is not None
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Check names and shapes against the HF model, then load on every worker."""
+        """Check names and shapes against the HF model, then load on every worker; with
+        `lora`, against the adapters', then serve them as the engine's LoRA adapter."""
+        if self._adapters is not None:
+            self._sleep.wake("weights")
+            self._adapters.load(named_tensors, version)
+            self.weights_version = int(version)
+            return
         incoming = match_named_tensors(
             named_tensors,
             self._shapes,
@@ -231,6 +251,8 @@ class VLLMGenerator:
         resources = engine_resources(self.llm)
         if resources is None or not resources.engine_dead:
             self._transfer.close()
+        if self._adapters is not None:
+            self._adapters.close()
         self._hold.release()
         self.llm.llm_engine.engine_core.shutdown()
 
@@ -258,7 +280,8 @@ class VLLMGenerator:
         requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
         self._sleep.wake("weights", "kv_cache")
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            adapter = self._adapters.request if self._adapters is not None else None
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
         finally:
             self._sleep.sleep()
         completions: list[list[int]] = []

@@ -211,17 +211,23 @@ def push_weights(
     dtype: torch.dtype | None = None,
     cpu_offload: bool = True,
     checksum: bool = True,
+    adapters: bool = False,
 ) -> WeightsManifest:
     """Export the learner's weights into `sink`; a collective on every rank.
 
     cpu_offload=True: rank 0 feeds its sink (CPU tensors); False: every rank feeds its own
     sink with tensors on the learner's device (e.g. one embedded generator per rank).
+    adapters=True: a LoRA learner's adapters alone (PEFT names), for engines serving them.
 
     If the sink fails midway, rank 0 keeps iterating so the other ranks' gathers complete (no
     hang), then aborts the sink and raises; the receiver keeps its previous weights.
     """
     export = learner.iter_weights(
-        bucket_bytes=bucket_bytes, dtype=dtype, cpu_offload=cpu_offload, checksum=checksum
+        bucket_bytes=bucket_bytes,
+        dtype=dtype,
+        cpu_offload=cpu_offload,
+        checksum=checksum,
+        adapters=adapters,
     )
     feeding = export.keep
     failure: BaseException | None = None
