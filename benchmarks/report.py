@@ -33,6 +33,7 @@ ORDER = (
     "logprobs",
     "weights",
     "vllm_push",
+    "lora",
     "engine_idle",
     "local_shards",
     "checkpoint",

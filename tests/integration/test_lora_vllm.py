@@ -68,10 +68,10 @@ def test_adapters_pushed_each_step_are_served_over_the_base_the_engine_loaded(tm
             with capsys.disabled():
                 print(f"\nadapter push {step + 1}: max |vLLM - learner| log-prob {gap.max():.2e}")
             assert gap.max() <= LOG_PROB_TOLERANCE
-            # one adapter loaded at a time: the version just pushed, its files alone on disk
-            assert engine.llm.llm_engine.list_loras() == [learner.policy_version + 1]
+            # one adapter loaded at a time: the push just made, its files alone on disk
+            assert engine.llm.llm_engine.list_loras() == [step + 1]
             kept = sorted(p.name for p in engine._adapters.root.iterdir())
-            assert kept == [f"v{learner.policy_version}"]
+            assert kept == [f"push{step + 1}-v{learner.policy_version}"]
         # the base weights never moved: without the adapter the engine serves the base
         batch = as_batch(sample(engine, seed=9, n=8))
         engine._adapters.request, served = None, engine._adapters.request

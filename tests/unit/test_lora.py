@@ -355,3 +355,12 @@ def test_an_adapter_push_vllm_cannot_take_is_one_line(case):
     with pytest.raises(ConfigError) as info:
         tiny_config(model={"lora": lora, **base}, rollout=rollout)
     assert str(info.value) == f"tests: [model.lora] push: {message}"
+
+
+def test_the_lora_recipe_is_a_valid_config_wherever_its_base_is():
+    """configs/toy_lora.toml: valid as written (its base, outputs/toy_lora_base/hf, is made by
+    scripts/make_toy_lora_base.sh; `check` only warns where it is not there yet)."""
+    config = load_config(str(Path(TOY).with_name("toy_lora.toml")))
+    assert config.model.lora.target_modules == ["wqkv", "wo", "w1", "w2", "w3", "lm_head"]
+    validated = validate(config, 1, on_this_machine=False)
+    assert all("hf_checkpoint" in warning for warning in validated.warnings)

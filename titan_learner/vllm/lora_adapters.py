@@ -3,17 +3,19 @@
 The engine loads the frozen base itself, from `[model] hf_checkpoint`, once; each push is then
 the adapters alone (PEFT names and files, titan_learner.weights.peft): written to a directory
 of its own and added to the engine as a new LoRA adapter (vLLM's `add_lora`, a new id per
-policy version), which every request of the next rollout names. The version before is removed
+push), which every request of the next rollout names. The version before is removed
 from the engine and from disk once the new one is loaded. An 8B model at rank 16 on every
 linear layer sends tens of megabytes a step instead of 16 GB of bf16 weights.
 
-A new id per version, not `load_inplace`: vLLM reloads an in-place adapter from disk at every
-scheduling step that names it, where a new id is read once.
+A new id per push, not `load_inplace`: vLLM reloads an in-place adapter from disk at every
+scheduling step that names it, where a new id is read once (a version pushed twice, as at a
+resume, gets its own id too).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -55,8 +57,9 @@ class AdapterSlot:
     def __init__(self, llm, serving: AdapterServing) -> None:
         self.llm = llm
         self.serving = serving
-        self.root = Path(tempfile.mkdtemp(prefix="titan_learner_adapters_"))
+        self.root = Path(tempfile.mkdtemp(prefix="titan_learner_adapters_", dir=_memory_dir()))
         self.request = None  # vllm's LoRARequest of the adapter now served, None before a push
+        self.pushes = 0
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         from safetensors.torch import save_file
@@ -68,23 +71,31 @@ class AdapterSlot:
             required=list(self.serving.shapes),
             rejected="the engine rejected the adapters, nothing was loaded",
         )
-        directory = self.root / f"v{version}"
+        self.pushes += 1
+        directory = self.root / f"push{self.pushes}-v{version}"
         directory.mkdir()
         tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in incoming.items()}
         save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         serving = self.serving
         settings = peft_config(serving.rank, serving.alpha, list(tensors), serving.base)
         (directory / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
-        request = LoRARequest(f"policy-v{version}", version + 1, str(directory))
+        request = LoRARequest(directory.name, self.pushes, str(directory))
         if not self.llm.llm_engine.add_lora(request):
             raise RuntimeError(f"the vLLM engine did not load the adapters of version {version}")
         previous, self.request = self.request, request
-        if previous is not None and previous.lora_int_id != request.lora_int_id:
+        if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _memory_dir() -> str | None:
+    """/dev/shm where it can be written (memory, as the engine on this host reads it back at
+    once), else the system's temporary directory."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
 def adapter_serving(config, spec) -> AdapterServing:

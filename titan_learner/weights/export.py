@@ -125,12 +125,14 @@ def titan_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ToSt
         yield name, param, to_state_dict
 
 
-def lora_layers(model: nn.Module) -> Iterator[tuple[nn.Module, tuple[int, ...], ToStateDict]]:
-    """Each LoRA layer with its base weight's shape and conversion (unmerged): where its
+def lora_layers(
+    model: nn.Module,
+) -> Iterator[tuple[str, nn.Module, tuple[int, ...], ToStateDict]]:
+    """Each LoRA layer with its base weight's name, shape and conversion (unmerged): where its
     adapters go under Hugging Face names (titan_learner.weights.peft)."""
-    for _, param, to_state_dict, lora in _parameters(model):
+    for name, param, to_state_dict, lora in _parameters(model):
         if lora is not None:
-            yield lora, tuple(param.shape), to_state_dict
+            yield name, lora, tuple(param.shape), to_state_dict
 
 
 def _with_adapters(owner: nn.Module, to_state_dict: ToStateDict, full: torch.Tensor) -> dict:

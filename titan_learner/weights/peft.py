@@ -10,6 +10,8 @@ fused `wqkv` is exactly PEFT's three pairs on q_proj, k_proj and v_proj, sharing
 
 from __future__ import annotations
 
+import re
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,7 @@ def hf_rows(
 ) -> dict[str, torch.Tensor]:
     """For each Hugging Face tensor a TorchTitan weight of `shape` becomes: the weight's rows it
     takes, in order (the conversion run on a weight whose every row holds its own index)."""
-    rows = torch.arange(shape[0], dtype=torch.float64).unsqueeze(1).expand(shape).contiguous()
+    rows = torch.arange(shape[0], dtype=torch.float32).unsqueeze(1).expand(shape).contiguous()
     return {name: tensor[:, 0].round().long() for name, tensor in to_hf(rows).items()}
 
 
@@ -41,13 +43,30 @@ def iter_peft_tensors(model: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, 
     A as it is for each module its layer becomes, B's rows as the base weight's go. A collective
     on sharded models (each adapter is gathered): every rank iterates to the end."""
     adapter = spec.state_dict_adapter(spec.model, None)
-    for owner, shape, to_state_dict in lora_layers(model):
+    layouts = _LAYOUTS.setdefault(model, {})  # the layers of a stack share theirs; kept
+    for name, owner, shape, to_state_dict in lora_layers(model):
+        layer = re.search(r"\d+", name)
+        key = (re.sub(r"\d+", "{}", name, count=1), shape)
+        if key not in layouts:
+            rows = hf_rows(lambda w, convert=to_state_dict: adapter.to_hf(convert(w)), shape)
+            layouts[key] = {_template(hf, layer): taken for hf, taken in rows.items()}
         lora_a, lora_b = whole_adapters(owner)
-        rows = hf_rows(lambda weight, convert=to_state_dict: adapter.to_hf(convert(weight)), shape)
-        for hf_name, taken in rows.items():
+        for template, taken in layouts[key].items():
+            hf_name = template.format(layer.group(0)) if layer else template
             module = PEFT_PREFIX + hf_name.removesuffix(".weight")
             yield f"{module}.lora_A.weight", lora_a.clone()
             yield f"{module}.lora_B.weight", lora_b.index_select(0, taken)
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+"""Per model, each kind of layer's Hugging Face names and rows: made at its first export, a
+conversion of a weight-sized tensor per kind, then read at every push."""
+
+
+def _template(hf_name: str, layer: re.Match | None) -> str:
+    """A Hugging Face name with its layer's number as a placeholder (TorchTitan's adapters
+    number layers as Hugging Face does)."""
+    return hf_name.replace(layer.group(0), "{}", 1) if layer else hf_name
 
 
 def peft_config(rank: int, alpha: float, names: list[str], base: str | None) -> dict[str, Any]:
