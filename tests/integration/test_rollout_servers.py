@@ -253,9 +253,12 @@ def test_a_generator_for_longer_sequences_than_the_servers_take_is_refused_befor
     assert [served_greedy(url, TOKEN) for url in urls] == before, "nothing was sent"
 
 
-def server_job(rank: int, root: str, urls: list[str], overrides: dict, ahead: bool = False):
+def server_job(
+    rank: int, root: str, urls: list[str], overrides: dict, ahead: bool = False, lora: bool = False
+):
     """The run on the servers with 2 ranks; then the same one step off-policy (each rank's
-    pipeline thread samples while the learner trains; rank 0 pushes once both asked)."""
+    pipeline thread samples while the learner trains; rank 0 pushes once both asked); or with
+    `lora`, rank-8 adapters and a KL to the base, pushed merged."""
     os.environ["TITAN_LEARNER_SERVER_TOKEN"] = TOKEN
     MODEL_OVERRIDES.update(overrides)  # a spawned process: the fixture's module state is not here
     source = str(Path(root) / "run.toml")
@@ -263,6 +266,12 @@ def server_job(rank: int, root: str, urls: list[str], overrides: dict, ahead: bo
     if ahead:
         run_tables["run"]["output_dir"] = str(Path(root) / "ahead")
         run_tables["rollout"]["max_off_policy_steps"] = 1
+        run_tables["eval"]["every_steps"] = 0
+    if lora:
+        run_tables["run"]["output_dir"] = str(Path(root) / "lora")
+        run_tables["model"]["lora"] = {"rank": 8, "alpha": 16.0}
+        run_tables.setdefault("loss", {})["kl_to_ref_coeff"] = 0.05
+        run_tables.setdefault("optimizer", {})["lr"] = 1e-2
         run_tables["eval"]["every_steps"] = 0
     return run(config_from_dict(run_tables, source))
 
@@ -300,6 +309,18 @@ def test_two_ranks_sample_one_version_ahead_on_the_servers(job):
     assert [int(m["policy_version"]) for m in ahead] == [1, 2, 3]
     assert all(m["logprob_mismatch_max"] < 1e-5 for m in ahead), ahead
     assert [served_version(url, TOKEN) for url in urls] == ["3", "3"], "rank 0 pushed to both"
+
+
+def test_a_lora_run_trains_on_the_servers_with_merged_weights(servers):
+    """[model.lora] added to the run and nothing else: the servers sample from W + alpha/rank
+    B A, pushed as full weights over gloo, as exactly as a full run; the KL anchor is the base
+    (0 at step 1, B starting at zero)."""
+    root, urls, _ = servers
+    history = run_world(2, server_job, str(root), urls, MODEL_OVERRIDES, False, True)[0]
+    assert [int(m["policy_version"]) for m in history] == [1, 2, 3]
+    assert all(m["logprob_mismatch_max"] < 1e-5 for m in history), history
+    assert history[0]["loss_kl_to_ref"] == 0.0 and history[2]["loss_kl_to_ref"] > 0.0
+    assert [served_version(url, TOKEN) for url in urls] == ["3", "3"]
 
 
 def rank_0_generator(
