@@ -46,6 +46,7 @@ _EXPORTS = {
     "LOG_PROBS_KEY": "titan_learner.learner.batch",
     "REF_LOG_PROBS_KEY": "titan_learner.learner.batch",
     "ADVANTAGE_KEY": "titan_learner.learner.batch",
+    "step_counts": "titan_learner.learner.loss.normalization",
     # weights
     "push_weights": "titan_learner.weights.sinks",
     "WeightSink": "titan_learner.weights.sinks",
@@ -97,6 +98,7 @@ __all__ = [
     "load_config",
     "push_weights",
     "save",
+    "step_counts",
     "validate",
 ]
 

@@ -185,7 +185,7 @@ def test_accumulation_without_step_counts_is_refused_before_any_compute(name):
         "update() without step_counts, with grad_accum_steps = 2 and a loss averaged over "
         f"counts ({averaged}), would average each micro-batch over its own tokens, not the "
         "step's; allowed: step_counts=step_counts(micro_batches) "
-        "(titan_learner.learner.loss.normalization) on every micro-batch of the window, "
+        "(titan_learner.step_counts) on every micro-batch of the window, "
         "[learner] max_tokens_per_microbatch, or per_microbatch_mean=True to train on "
         "per-micro-batch means"
     )
@@ -259,3 +259,13 @@ def test_diagnostics_are_means_over_trained_tokens_not_padded_positions():
     log_ratio = (current - batch.get(LOG_PROBS_KEY))[mask]
     clipped = (log_ratio.exp() - 1).abs() > 0.2
     assert float(metrics["clip_fraction"]) == pytest.approx(float(clipped.float().mean()), abs=1e-6)
+
+
+def test_step_counts_is_public_where_the_refusal_names_it():
+    """update()'s refusal of accumulation without counts tells users to call
+    titan_learner.step_counts: that name is the public API's (issue 61)."""
+    import titan_learner
+    from titan_learner.learner.loss import normalization
+
+    assert titan_learner.step_counts is normalization.step_counts
+    assert "step_counts" in titan_learner.__all__

@@ -197,7 +197,7 @@ class StepperTrainer:
                 f"update() without step_counts, with grad_accum_steps = {accumulation} and a "
                 f"loss averaged over counts ({averaged}), would average each micro-batch over "
                 "its own tokens, not the step's; allowed: step_counts=step_counts(micro_batches) "
-                "(titan_learner.learner.loss.normalization) on every micro-batch of the window, "
+                "(titan_learner.step_counts) on every micro-batch of the window, "
                 "[learner] max_tokens_per_microbatch, or per_microbatch_mean=True to train on "
                 "per-micro-batch means"
             )

@@ -120,7 +120,7 @@ def check_counts(counts: Mapping[str, float]) -> dict[str, float]:
     if not isinstance(counts, Mapping) or set(counts) != set(KINDS):
         raise ValueError(
             f"step_counts must be a mapping with keys {', '.join(KINDS)} (from "
-            f"titan_learner.learner.loss.normalization.step_counts), got {counts!r}"
+            f"titan_learner.step_counts), got {counts!r}"
         )
     checked = {kind: float(counts[kind]) for kind in KINDS}
     if any(not value >= 0 for value in checked.values()):
