@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_vllm_push import measured_engine
 from result_file import add_result_argument, write_result
 
 from titan_learner.cli import add_config_arguments, config_from_arguments
@@ -77,22 +78,6 @@ def optimizer_bytes(learner) -> int:
     )
 
 
-def engine(path: Path, **arguments):
-    from titan_learner.vllm.generator import VLLMGenerator
-
-    return VLLMGenerator(
-        str(path),
-        eos_id=0,
-        pad_id=0,
-        dtype=torch.float32,
-        weight_transfer="gloo",
-        enforce_eager=True,
-        max_model_len=64,
-        kv_cache_memory_bytes=64 << 20,
-        **arguments,
-    )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_config_arguments(parser, default="configs/debug.toml")
@@ -119,12 +104,12 @@ def main() -> int:
         adapter_bytes = sum(
             p.numel() * 4 for name, p in adapted.model.named_parameters() if is_adapter(name)
         )
-        full_engine = engine(base)
+        full_engine = measured_engine(base)
         try:
             push = {"full": best_push(full, full_engine, args.repeats, adapters=False)}
         finally:
             full_engine.close()
-        lora_engine = engine(base, lora=adapter_serving(lora_config, adapted.spec))
+        lora_engine = measured_engine(base, lora=adapter_serving(lora_config, adapted.spec))
         try:
             push["adapter"] = best_push(adapted, lora_engine, args.repeats, adapters=True)
         finally:

@@ -89,6 +89,24 @@ class ControlCallTimes:
         return {phase: min(times) for phase, times in self.seconds.items()}
 
 
+def measured_engine(directory: Path, **arguments):
+    """The engine both push benchmarks measure: float32, eager, a small KV cache, started from
+    `directory`, its weights over gloo (what is measured; "auto" is ipc on a GPU machine)."""
+    from titan_learner.vllm.generator import VLLMGenerator
+
+    return VLLMGenerator(
+        str(directory),
+        eos_id=0,
+        pad_id=0,
+        dtype=torch.float32,
+        weight_transfer="gloo",
+        enforce_eager=True,
+        max_model_len=64,
+        kv_cache_memory_bytes=64 << 20,
+        **arguments,
+    )
+
+
 def server_generator(config, url: str, spec):
     """The server's generator, with the token the server was started with (the run's)."""
     from titan_learner.config.derived import longest_sequence
@@ -117,7 +135,6 @@ def main() -> int:
     args = parser.parse_args()
     config = config_from_arguments(args)
     from titan_learner.vllm.engine_sink import VLLMEngineSink
-    from titan_learner.vllm.generator import VLLMGenerator
 
     learner = LocalLearner(config)
     spec = hf_config(learner.spec)
@@ -126,16 +143,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch) / "model"
         push_weights(learner, SafetensorsDirSink(directory, spec), BUCKET, dtype=torch.float32)
-        engine = VLLMGenerator(
-            str(directory),
-            eos_id=0,
-            pad_id=0,
-            dtype=torch.float32,
-            weight_transfer="gloo",  # what is measured; "auto" is ipc on a GPU machine
-            enforce_eager=True,
-            max_model_len=64,
-            kv_cache_memory_bytes=64 << 20,
-        )
+        engine = measured_engine(directory)
         try:
             calls = ControlCallTimes(engine.llm)
             results = {

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.integration.test_train import TOY, short_run, training_lines
+from tests.integration.test_train import TOY, interrupted_and_whole, training_lines
 from tests.support.worlds import run_world
 from titan_learner.config.toml import load_config
 from titan_learner.data.loader import Prompt, PromptLoader
@@ -158,18 +158,10 @@ def test_after_the_last_round_a_short_share_is_filled_with_dropped_groups():
     assert taken.sampled.rollout.num_sequences == 3 * G and loader.position == 6
 
 
-def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
-    every_2 = [*DYNAMIC, "checkpoint.interval=2", "parallelism.dp_shard=2"]
-    return {
-        "whole": short_run(rank, f"{root}/whole", 4, every_2),
-        "first": short_run(rank, f"{root}/cut", 2, every_2),
-        "resumed": short_run(rank, f"{root}/cut", 4, every_2, resume=True),
-    }
-
-
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_rounds_and_resume_exactly(tmp_path):
-    rank0, rank1 = run_world(2, interrupted_and_whole, str(tmp_path))
+    overrides = (*DYNAMIC, "parallelism.dp_shard=2")
+    rank0, rank1 = run_world(2, interrupted_and_whole, str(tmp_path), overrides, 2)
     whole = rank0["whole"]
     assert max(m["sampling_rounds"] for m in whole) >= 2, "the toy drops groups: more rounds"
     assert all(m["groups_zero_variance_fraction"] == 0 for m in whole if m["sampling_rounds"] < 10)

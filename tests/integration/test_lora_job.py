@@ -7,24 +7,15 @@ import json
 
 import pytest
 
-from tests.integration.test_train import short_run, training_lines
+from tests.integration.test_train import interrupted_and_whole, training_lines
 from tests.support.worlds import run_world
 
 LORA = ["model.lora.rank=8", "loss.kl_to_ref_coeff=0.05", "parallelism.dp_shard=2"]
 
 
-def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
-    every_2 = [*LORA, "checkpoint.interval=2", "eval.every_steps=0"]
-    return {
-        "whole": short_run(rank, f"{root}/whole", 4, every_2),
-        "first": short_run(rank, f"{root}/cut", 3, every_2),
-        "resumed": short_run(rank, f"{root}/cut", 4, every_2, resume=True),
-    }
-
-
 @pytest.mark.slow
 def test_a_lora_job_anchors_its_kl_at_the_base_and_resumes_exactly(tmp_path):
-    runs, _ = run_world(2, interrupted_and_whole, str(tmp_path))
+    runs, _ = run_world(2, interrupted_and_whole, str(tmp_path), (*LORA, "eval.every_steps=0"))
     whole = runs["whole"]
     # B starts at zero: the first step's policy is the base, so its KL to the reference is 0
     assert whole[0]["loss_kl_to_ref"] == 0.0

@@ -37,12 +37,15 @@ def short_run(
     return run(config, resume=resume)
 
 
-def interrupted_and_whole(rank: int, root: str) -> dict[str, list[dict]]:
-    every_2 = ["checkpoint.interval=2"]
+def interrupted_and_whole(
+    rank: int, root: str, overrides: tuple[str, ...] = (), cut: int = 3
+) -> dict[str, list[dict]]:
+    """4 steps saved every 2, whole; and cut after `cut` steps, then resumed to 4 (a cut at 3:
+    the last step is saved too, and the resume starts there). `overrides`: the run's own."""
+    every_2 = [*overrides, "checkpoint.interval=2"]
     return {
         "whole": short_run(rank, f"{root}/whole", 4, every_2),
-        # 3 steps with a save every 2: the last step is saved too, and the resume starts there
-        "first": short_run(rank, f"{root}/cut", 3, every_2),
+        "first": short_run(rank, f"{root}/cut", cut, every_2),
         "resumed": short_run(rank, f"{root}/cut", 4, every_2, resume=True),
     }
 
