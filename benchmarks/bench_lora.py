@@ -137,8 +137,8 @@ def main() -> int:
         f"{step['lora'] * 1e3:7.1f} ms  ratio lora/full: {ratios['step']:.2f}"
     )
     print(
-        f"optimizer state  full {optimizer['full'] / 2**20:7.1f} MiB lora {optimizer['lora'] / 2**20:7.2f}"
-        f" MiB ratio lora/full: {ratios['optimizer']:.3f}"
+        f"optimizer state  full {optimizer['full'] / 2**20:7.1f} MiB lora "
+        f"{optimizer['lora'] / 2**20:7.2f} MiB ratio lora/full: {ratios['optimizer']:.3f}"
     )
     write_result(
         args.result_json,

@@ -10,9 +10,9 @@ would be padded with `ref_log_prob_padding_value` (0.0 by default).
 `ReferenceModel` is the policy's starting point, frozen: built by `build_model(config)`
 from the same config as the learner (same initial weights, same TorchTitan sharding), parameters
 without gradients, eval mode, no optimizer. A LoRA policy's starting point is its frozen base:
-its reference is the learner's own model with the adapters switched off (`base_of`). `log_probs` scores the positions its caller reads
-(`kl_log_probs`: the response under the default "rlhf" masking; every real token under the
-other strategies) and writes 0.0 elsewhere. Scoring only the response lets `[learner]
+its reference is the learner's own model with the adapters switched off (`base_of`).
+`log_probs` scores the positions its caller reads (`kl_log_probs`: the response under the
+default "rlhf" masking; every real token under the other strategies) and writes 0.0 elsewhere. Scoring only the response lets `[learner]
 share_prompts` run each group's prompt once in the reference's forward too, as in the
 learner's. The first real token of a row has no predecessor and scores -log(V) (a uniform
 distribution), as in the policy's own shifted convention.

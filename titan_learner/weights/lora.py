@@ -25,11 +25,6 @@ def is_adapter(name: str) -> bool:
     return any(part in name for part in ADAPTER_PARTS)
 
 
-def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a state dict: what a LoRA run trains and checkpoints."""
-    return {name: tensor for name, tensor in state.items() if is_adapter(name)}
-
-
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The adapted Linear layers of `model`, by module name."""
     for name, module in model.named_modules():
