@@ -21,7 +21,7 @@ from result_file import add_result_argument, print_result, write_result
 
 from titan_learner.cli import add_config_arguments, config_from_arguments
 from titan_learner.learner.titan import TitanLearner
-from titan_learner.weights.local_shards import LocalShards
+from titan_learner.vllm.m2n_source import local_shards
 
 MIB = 1024**2
 DTYPE = torch.bfloat16
@@ -47,7 +47,7 @@ def main() -> int:
     add_result_argument(parser, "local_shards")
     args = parser.parse_args()
     learner = TitanLearner.from_config(config_from_arguments(args))
-    shards = LocalShards(learner.model, learner.spec, DTYPE, dist.get_world_size())
+    shards = local_shards(learner.model, learner.spec, DTYPE, dist.get_world_size())
     model_bytes = sum(p.numel() * DTYPE.itemsize for p in learner.model.parameters())
 
     timed(gathered(learner)), timed(shards)  # warm-up

@@ -110,8 +110,7 @@ def check_layouts(rank: int, layouts: dict) -> dict:
     import torch.distributed as dist
 
     from titan_learner.learner.titan import TitanLearner
-    from titan_learner.vllm.m2n_source import ShardSource
-    from titan_learner.weights.local_shards import LocalShards
+    from titan_learner.vllm.m2n_source import ShardSource, local_shards
 
     results = {}
     for case, (name, shape, parallelism) in layouts.items():
@@ -124,7 +123,7 @@ def check_layouts(rank: int, layouts: dict) -> dict:
         learner.update(batches(1, varied=True)[0])  # weights that differ from their init
         for dtype in (F32, BF16):
             exported = dict(learner.get_weights(cpu_offload=False, dtype=dtype).items())
-            shards = LocalShards(learner.model, learner.spec, dtype, dist.get_world_size())
+            shards = local_shards(learner.model, learner.spec, dtype, dist.get_world_size())
             sent_listed = list(shards)  # all at once, as it was sent before
             names = [plan.name for plan in shards.plans]
             assert [n for n, _ in sent_listed] == names, case

@@ -180,3 +180,22 @@ def test_the_learner_contract_stays_a_facade():
     lives in learner/step.py, the state in learner/state.py, the parts in sub-packages."""
     lines = len((PACKAGE / "learner" / "contract.py").read_text().splitlines())
     assert lines < 250, f"learner/contract.py has {lines} lines; move a concern out of it"
+
+
+def test_only_the_vllm_package_imports_vllm():
+    """vLLM is imported by titan_learner.vllm alone (issue 63): every other package reaches
+    it through that package, whatever the import (also inside functions)."""
+    outside = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "vllm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            if any(name.split(".")[0] == "vllm" for name in names):
+                outside.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert outside == [], "import vLLM in titan_learner/vllm/ and call that from here"

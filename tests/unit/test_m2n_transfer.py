@@ -49,13 +49,12 @@ def test_the_servers_init_request_parses_on_vllms_worker_side():
     from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
     from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerWeightTransferEngine
 
-    from titan_learner.vllm.m2n_source import ShardSource
+    from titan_learner.vllm.m2n_source import ShardSource, local_shards
     from titan_learner.vllm.m2n_trainer import m2n_init_info
-    from titan_learner.weights.local_shards import LocalShards
 
     learner = LocalLearner(tiny_config("llama3"))
     exported = learner.get_weights(dtype=torch.bfloat16)
-    source = ShardSource(LocalShards(learner.model, learner.spec, torch.bfloat16, 1))
+    source = ShardSource(local_shards(learner.model, learner.spec, torch.bfloat16, 1))
     trainer = object.__new__(M2NTrainerWeightTransferEngine)  # init would join NCCL
     trainer._src_mesh, trainer._metas = source.mesh(), source.metadata()
     payload = trainer._worker_init_info(m2n_init_info(0, 1, 2, 2, UNIQUE_ID))
@@ -112,24 +111,24 @@ def test_a_tensor_split_over_more_ranks_than_m2n_lets_feed_one_destination_goes_
         source = resolve_layout(M2NMesh((shards, 1), 0), placements)
         check_plan_limits(source, destination, "model.embed_tokens.weight")
 
-    assert _m2n_splits(rows, rows, most)
+    assert _m2n_splits(rows, rows, most, MAX_SOURCE_SHARDS)
     vllm_checks(most, (0, REPLICATE))
-    assert not _m2n_splits(rows, rows, most + 1)
+    assert not _m2n_splits(rows, rows, most + 1, MAX_SOURCE_SHARDS)
     vllm_checks(most + 1, None)  # whole
     with pytest.raises(ValueError, match=f"would feed {most + 1} source shards"):
         vllm_checks(most + 1, (0, REPLICATE))  # what the shards would have met
-    assert not _m2n_splits(rows + 1, rows + 1, 2)  # uneven shards still go whole
+    assert not _m2n_splits(rows + 1, rows + 1, 2, MAX_SOURCE_SHARDS)  # uneven: whole
 
 
 def test_nccl_m2n_sends_only_the_generators_own_shards():
     """Each server's send iterates the shards the generator was built with afresh: other
     tensors handed to `load_weights` are refused, not ignored."""
+    from titan_learner.vllm.m2n_source import local_shards
     from titan_learner.vllm.server_generator import ServerGenerator
-    from titan_learner.weights.local_shards import LocalShards
 
     learner = LocalLearner(tiny_config("llama3"))
     generator = object.__new__(ServerGenerator)  # building one needs GPU servers
-    generator.local_shards = LocalShards(learner.model, learner.spec, torch.bfloat16, 1)
+    generator.local_shards = local_shards(learner.model, learner.spec, torch.bfloat16, 1)
     with pytest.raises(ValueError, match="pass the generator's `local_shards`"):
         generator.load_weights(list(generator.local_shards), version=1)
 
@@ -153,12 +152,12 @@ def test_shards_that_do_not_fit_the_served_model_are_refused_before_any_server_i
     listens at the url: a request would have failed first)."""
     from tests.support.servers import free_port
     from titan_learner.model.hf_config import hf_config, hf_parameter_shapes
+    from titan_learner.vllm.m2n_source import local_shards
     from titan_learner.vllm.server_generator import ServerGenerator, check_shards
-    from titan_learner.weights.local_shards import LocalShards
     from titan_learner.weights.matching import WeightsError
 
     learner = LocalLearner(tiny_config("llama3"))
-    shards = LocalShards(learner.model, learner.spec, torch.bfloat16, 1)
+    shards = local_shards(learner.model, learner.spec, torch.bfloat16, 1)
     check_shards(shards, *hf_parameter_shapes(hf_config(learner.spec)))  # the model they fit
     served = hf_config(learner.spec)
     setattr(served, key, value)

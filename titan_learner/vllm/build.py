@@ -61,11 +61,12 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     from titan_learner.vllm.serve import server_token
     from titan_learner.vllm.server_client import DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S
     from titan_learner.vllm.server_generator import ServerGenerator
-    from titan_learner.weights.local_shards import LocalShards
 
     shards = None
     if config.rollout.vllm.get("weight_transfer") == "nccl_m2n":
-        shards = LocalShards(learner.model, learner.spec, dtype, world_size())
+        from titan_learner.vllm.m2n_source import local_shards
+
+        shards = local_shards(learner.model, learner.spec, dtype, world_size())
     return ServerGenerator(
         config.rollout.vllm["servers"],
         hf_config(learner.spec),

@@ -19,10 +19,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from vllm.distributed.weight_transfer.m2n_common import M2NMesh, M2NParamMeta
+from torch import nn
+from vllm.distributed.weight_transfer.m2n_common import MAX_SOURCE_SHARDS, M2NMesh, M2NParamMeta
 from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
 
 from titan_learner.weights.local_shards import LocalShards
+
+
+def local_shards(model: nn.Module, spec, dtype: torch.dtype, world_size: int) -> LocalShards:
+    """The model's `LocalShards` within m2n's bound on the source shards one destination shard
+    takes (vLLM's MAX_SOURCE_SHARDS)."""
+    return LocalShards(model, spec, dtype, world_size, max_sources=MAX_SOURCE_SHARDS)
 
 
 class ShardSource(M2NWeightSource):

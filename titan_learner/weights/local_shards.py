@@ -70,9 +70,19 @@ class LocalShards:
 
     `mesh_dims`: the trainer's ranks as m2n sees them (rank r at row-major position r);
     iterating is a collective where any tensor is gathered, so every rank iterates.
+    `max_sources`: the most source shards m2n lets feed one destination shard (vLLM's
+    `MAX_SOURCE_SHARDS`, which titan_learner.vllm.m2n_source reads: vllm stays in vllm/).
     """
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, dtype: torch.dtype, world_size: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        world_size: int,
+        *,
+        max_sources: int,
+    ):
         if uses_lora(model):  # the config check refuses it first (vllm.checks)
             raise ValueError(
                 "local shards cannot carry a LoRA model's merged weights (W + alpha/rank B A "
@@ -94,7 +104,7 @@ class LocalShards:
                 rows_of[key] = _row_maps(to_hf, shape)
             whole = to_hf(torch.empty(shape, device="meta"))
             plans = tuple(
-                _plan(hf_name, tuple(meta.shape), param, rows, self.mesh_dims)
+                _plan(hf_name, tuple(meta.shape), param, rows, self.mesh_dims, max_sources)
                 for (hf_name, meta), rows in zip(whole.items(), rows_of[key], strict=True)
             )
             self._parameters.append(_Parameter(param, to_hf, plans))
@@ -174,6 +184,7 @@ def _plan(
     param: torch.Tensor,
     rows: RowMap,
     mesh_dims: MeshDims,
+    max_sources: int,
 ) -> ShardPlan:
     gathered = ShardPlan(name, shape, None, None)
     if not isinstance(param, DTensor):
@@ -188,7 +199,7 @@ def _plan(
     placements: Placements = (codes[0], REPLICATE) if len(codes) == 1 else (codes[0], codes[1])
     axis = next(a for a, c in enumerate(placements) if c != REPLICATE)
     dim, factor = placements[axis], mesh_dims[axis]
-    if not _m2n_splits(shape[dim], param.shape[dim], factor):
+    if not _m2n_splits(shape[dim], param.shape[dim], factor, max_sources):
         return gathered
     if rows is None or dim != 0:
         on_device = None if rows is None else rows.to(param.device)
@@ -202,19 +213,17 @@ def _plan(
     return ShardPlan(name, shape, placements, ours)
 
 
-def _m2n_splits(whole: int, ours: int, shards: int) -> bool:
+def _m2n_splits(whole: int, ours: int, shards: int, max_sources: int) -> bool:
     """Whether m2n takes a dim of size `whole` (`ours` in the TorchTitan parameter) as `shards`
     source shards: even ones, and no more than m2n lets feed one destination shard.
 
-    vLLM's workers refuse more than `MAX_SOURCE_SHARDS` into a replicated destination at their
+    vLLM's workers refuse more than `max_sources` into a replicated destination at their
     init (`check_plan_limits`), while the trainer ranks wait in the communicator's init for
     workers that never join. A destination the workers split by tensor parallelism is not
     checked there, but m2n's own bound is the same and a row-parallel one (split on the input
     dim, where FSDP splits the rows) takes every source shard. The workers choose destinations
     per server, after the plan is made, so the source's count alone decides."""
-    from vllm.distributed.weight_transfer.m2n_common import MAX_SOURCE_SHARDS
-
-    return shards <= MAX_SOURCE_SHARDS and whole % shards == 0 and ours % shards == 0
+    return shards <= max_sources and whole % shards == 0 and ours % shards == 0
 
 
 def _codes(param: DTensor) -> list[int | None]:
