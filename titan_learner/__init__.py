@@ -37,6 +37,7 @@ _EXPORTS = {
     "Capabilities": "titan_learner.learner.contract",
     "LocalLearner": "titan_learner.learner.local",
     "TitanLearner": "titan_learner.learner.titan",
+    "LearnerStepper": "titan_learner.learner.torchrl_stepper",
     # batch format
     "check_batch": "titan_learner.learner.batch",
     "BatchError": "titan_learner.learner.batch",
@@ -81,6 +82,7 @@ __all__ = [
     "GeneratorSink",
     "HFModelSink",
     "Learner",
+    "LearnerStepper",
     "LocalLearner",
     "SafetensorsDirSink",
     "StagingSink",
