@@ -309,12 +309,6 @@ ADAPTER_PUSH = {
         {},
         "generator = 'hf' takes merged weights; allowed: push = 'merged', or generator = 'vllm'",
     ),
-    "servers": (
-        {"hf_checkpoint": "base"},
-        {"generator": "vllm", "vllm": {"servers": ["http://127.0.0.1:8000"]}},
-        "rollout servers take merged weights (adapters go only to each rank's own engine so "
-        "far); allowed: push = 'merged' with servers",
-    ),
     "a seeded base": (
         {},
         {"generator": "vllm"},

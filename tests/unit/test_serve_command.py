@@ -539,3 +539,24 @@ def test_a_server_that_listens_and_never_answers_health_is_one_line():
         f"rollout server {url} did not answer GET /health within 0.25 s; a server that "
         "listens answers it at once: restart it"
     )
+
+
+def test_a_server_for_a_lora_adapter_push_serves_adapters_behind_the_token(monkeypatch, tmp_path):
+    """[model.lora] push = "adapter": the server loads LoRA adapters of the run's rank (the
+    smallest max_lora_rank vLLM takes), lets them be loaded at run time, and installs the
+    adapters' upload route inside the bearer-token guard (the last --middleware is outermost)."""
+    from tests.support.vllm import vllm_job_config, write_vllm_job_files
+    from titan_learner.config.toml import config_from_dict
+    from titan_learner.vllm.adapter_route import MIDDLEWARE as ADAPTERS
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    model = {**write_vllm_job_files(tmp_path), "lora": {"rank": 12, "push": "adapter"}}
+    vllm = {"servers": ["http://127.0.0.1:8001"], "enforce_eager": True}
+    config = config_from_dict(vllm_job_config(tmp_path, model, steps=1, vllm=vllm), "run.toml")
+    argv, env = server_command(config, host="127.0.0.1", port=8123, on_gpu=False, python="py")
+    flags = " ".join(argv)
+    assert f"--model {tmp_path / 'model'}" in flags
+    assert "--enable-lora --max-lora-rank 16 --max-loras 1" in flags
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    middleware = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--middleware"]
+    assert middleware == [ADAPTERS, MIDDLEWARE]

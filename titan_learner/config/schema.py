@@ -60,8 +60,9 @@ class LoRASection:
     push: Literal["merged", "adapter"] = "merged"
     """What rollout engines receive each step: merged, the full weights with the adapters folded
     in (W + alpha/rank x B A), which every generator loads; adapter, the adapters alone (PEFT
-    files, tens of MB for 8B at rank 16), served by each rank's vLLM engine as a LoRA adapter
-    over the base it loads itself from [model] hf_checkpoint (not yet on rollout servers)."""
+    files, tens of MB for 8B at rank 16), served by vLLM (each rank's engine, or the rollout
+    servers through their token-guarded upload route) as a LoRA adapter over the base it loads
+    itself from [model] hf_checkpoint."""
 
 
 @dataclass

@@ -93,11 +93,6 @@ def check_adapter_push(config: Config) -> None:
             f"generator = {rollout.generator!r} takes merged weights; allowed: push = 'merged', "
             "or generator = 'vllm'"
         )
-    elif rollout.vllm.get("servers"):
-        problem = (
-            "rollout servers take merged weights (adapters go only to each rank's own engine "
-            "so far); allowed: push = 'merged' with servers"
-        )
     elif not config.model.hf_checkpoint:
         problem = (
             "the engine loads the frozen base itself from [model] hf_checkpoint, and a base made "

@@ -17,7 +17,7 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     from titan_learner.vllm.engine_model import engine_model
     from titan_learner.vllm.engine_sleep import default_sleep_level
     from titan_learner.vllm.generator import VLLMGenerator
-    from titan_learner.vllm.lora_adapters import adapter_serving
+    from titan_learner.vllm.lora_adapters import adapter_push, adapter_serving
     from titan_learner.vllm.serve import OWN_KEYS
 
     model_path, model_arguments = engine_model(config)
@@ -29,8 +29,7 @@ def build_engine_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         rows = engine_rows(config, learner.capabilities.data_parallel_size)
         memory = job_engine_memory(config, hf_config(learner.spec), rows=rows)
         engine |= cpu_engine_defaults(engine, memory)
-    lora = config.model.lora
-    if lora is not None and lora.push == "adapter":
+    if adapter_push(config):
         engine["lora"] = adapter_serving(config, learner.spec)
     return VLLMGenerator(
         model_path,
@@ -57,6 +56,7 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
     from titan_learner.config.derived import longest_sequence
     from titan_learner.model.hf_config import hf_config
     from titan_learner.ranks import rank, world_size
+    from titan_learner.vllm.lora_adapters import adapter_push, adapter_serving
     from titan_learner.vllm.push_gate import trainer_push_gate
     from titan_learner.vllm.serve import server_token
     from titan_learner.vllm.server_client import DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S
@@ -79,5 +79,6 @@ def build_server_generator(config: Config, learner, dtype: torch.dtype, ids: dic
         start_timeout_s=config.rollout.vllm.get("server_start_timeout_s", DEFAULT_START_TIMEOUT_S),
         gate=trainer_push_gate(),
         shards=shards,
+        lora=adapter_serving(config, learner.spec) if adapter_push(config) else None,
         **ids,
     )

@@ -1,4 +1,5 @@
-"""A LoRA run's adapters served by a vLLM engine (`[model.lora] push = "adapter"`).
+"""A LoRA run's adapters served by a vLLM engine (`[model.lora] push = "adapter"`); rollout
+servers take them through vllm.adapter_route instead (vllm.server_generator uploads them).
 
 The engine loads the frozen base itself, from `[model] hf_checkpoint`, once; each push is then
 the adapters alone (PEFT names and files, titan_learner.weights.peft): written to a directory
@@ -34,6 +35,12 @@ def engine_lora_rank(rank: int) -> int:
     return next(allowed for allowed in ENGINE_LORA_RANKS if allowed >= rank)
 
 
+def lora_engine_arguments(rank: int) -> dict:
+    """vLLM's engine arguments (vllm.LLM's, and a server's flags) for one adapter of `rank` at a
+    time."""
+    return {"enable_lora": True, "max_lora_rank": engine_lora_rank(rank), "max_loras": 1}
+
+
 @dataclass(frozen=True)
 class AdapterServing:
     """What an engine needs to serve a run's adapters."""
@@ -46,8 +53,7 @@ class AdapterServing:
     """Every adapter tensor a push holds, by PEFT name."""
 
     def engine_arguments(self) -> dict:
-        """vllm.LLM's arguments for one adapter of this rank at a time."""
-        return {"enable_lora": True, "max_lora_rank": engine_lora_rank(self.rank), "max_loras": 1}
+        return lora_engine_arguments(self.rank)
 
 
 class AdapterSlot:
@@ -57,7 +63,7 @@ class AdapterSlot:
     def __init__(self, llm, serving: AdapterServing) -> None:
         self.llm = llm
         self.serving = serving
-        self.root = Path(tempfile.mkdtemp(prefix="titan_learner_adapters_", dir=_memory_dir()))
+        self.root = Path(tempfile.mkdtemp(prefix="titan_learner_adapters_", dir=memory_dir()))
         self.request = None  # vllm's LoRARequest of the adapter now served, None before a push
         self.pushes = 0
 
@@ -91,11 +97,16 @@ class AdapterSlot:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _memory_dir() -> str | None:
+def memory_dir() -> str | None:
     """/dev/shm where it can be written (memory, as the engine on this host reads it back at
     once), else the system's temporary directory."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def adapter_push(config) -> bool:
+    """Whether the run's engines take its adapters alone (`[model.lora] push = "adapter"`)."""
+    return config.model.lora is not None and config.model.lora.push == "adapter"
 
 
 def adapter_serving(config, spec) -> AdapterServing:

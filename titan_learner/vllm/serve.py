@@ -28,6 +28,7 @@ from typing import Any
 from titan_learner.config.errors import ConfigError
 from titan_learner.config.schema import Config
 from titan_learner.config.vllm_keys import VLLM_OWN_KEYS
+from titan_learner.vllm.adapter_route import MIDDLEWARE as ADAPTER_MIDDLEWARE
 from titan_learner.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from titan_learner.vllm.backends import engine_backend, resolve_weight_transfer
 from titan_learner.vllm.engine_memory import (
@@ -36,6 +37,7 @@ from titan_learner.vllm.engine_memory import (
     cpu_engine_defaults,
     job_engine_memory,
 )
+from titan_learner.vllm.lora_adapters import adapter_push, lora_engine_arguments
 
 OWN_KEYS = frozenset(VLLM_OWN_KEYS)
 """[rollout.vllm] keys that are ours: how weights travel, which servers, where the token is,
@@ -157,12 +159,18 @@ def server_command(
         check_cpu_head_dim(config, SERVER_REMEDY)
         check_cpu_pipeline(config, "or pipeline parallel on GPUs")
         engine |= cpu_engine_defaults(engine, _server_memory(config))
-    argv += engine_flags(engine)
     env = {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
+    middleware = [MIDDLEWARE]
+    if adapter_push(config):  # the adapters' upload route, inside the token guard
+        engine |= lora_engine_arguments(config.model.lora.rank)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        middleware.insert(0, ADAPTER_MIDDLEWARE)  # the last added is the outermost
+    argv += engine_flags(engine)
     if gpus is not None:
         argv += gpu_parallel_flags(config, gpus)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    argv += ["--middleware", MIDDLEWARE]
+    for each in middleware:
+        argv += ["--middleware", each]
     return argv, env
 
 

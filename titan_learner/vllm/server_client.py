@@ -10,6 +10,7 @@ an error, is one `ServerError` naming it, the route and its answer.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -129,12 +130,13 @@ class ServerClient:
         import requests
 
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        headers = {**self._headers, **kwargs.pop("headers", {})}
         for attempt in range(1, CONNECT_RETRIES + 1):
             try:
                 answer = requests.request(
                     method,
                     f"{self.url}/{route}",
-                    headers=self._headers,
+                    headers=headers,
                     timeout=timeout,
                     verify=trusted_certificates(),
                     **kwargs,
@@ -174,7 +176,12 @@ class ServerClient:
                 f"{answer.status_code}: {answer.text[:500]}",
                 status=answer.status_code,
             )
-        return answer.json() if answer.content else None
+        if not answer.content:
+            return None
+        try:
+            return answer.json()
+        except ValueError:  # vLLM's LoRA routes answer their outcome as plain text
+            return answer.text
 
     def listening(self) -> bool:
         """Whether the server answers /health; False while nothing listens on its port (a
@@ -248,6 +255,24 @@ class ServerClient:
     def weight_version(self) -> str | None:
         return self._call("GET", "weight_info")["weight_version"]
 
+    def set_weight_version(self, version: str) -> None:
+        """The version the server labels its tokens with (what an update's finish sets)."""
+        self._call("POST", "update_weight_version", json={"new_version": version})
+
+    # a LoRA run's adapters (vllm.adapter_route; vLLM's own LoRA routes)
+    def upload_adapter(self, name: str, safetensors: bytes, config: dict[str, Any]) -> None:
+        """Send an adapter's files; the server writes them on its own host and loads them."""
+        headers = {"X-Adapter-Config": json.dumps(config)}
+        self._call("POST", f"titan_learner/lora_adapter/{name}", data=safetensors, headers=headers)
+
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters the server serves (its /v1/models beside the base)."""
+        models = self._call("GET", "v1/models")["data"]
+        return [m["id"] for m in models if m.get("parent") is not None]
+
+    def unload_adapter(self, name: str) -> None:
+        self._call("POST", "v1/unload_lora_adapter", json={"lora_name": name})
+
     def workers(self) -> int:
         """How many inference workers join a weight transfer (tensor x pipeline x data)."""
         return int(self._call("GET", "get_world_size")["world_size"])
@@ -275,16 +300,16 @@ class ServerClient:
         self._call("GET", "weight_info", timeout_s=ENGINE_ANSWER_S, after_timeout=stuck)
 
     def generate(
-        self, token_ids: list[int], sampling: dict[str, Any]
+        self, token_ids: list[int], sampling: dict[str, Any], adapter: str | None = None
     ) -> list[tuple[list[int], list[float], set[str]]]:
         """One token-in/token-out request (vLLM's /inference/v1/generate, `--enable-scale-out`):
         per sample, in index order, its token ids, their log-probs and the weight versions that
-        sampled them (vLLM labels every output token with the version it was sampled under)."""
-        answer = self._call(
-            "POST",
-            "inference/v1/generate",
-            json={"token_ids": token_ids, "sampling_params": sampling, "output_mode": "tokens"},
-        )
+        sampled them (vLLM labels every output token with the version it was sampled under).
+        `adapter`: the LoRA adapter (by name) to sample with."""
+        request = {"token_ids": token_ids, "sampling_params": sampling, "output_mode": "tokens"}
+        if adapter is not None:
+            request["model"] = adapter
+        answer = self._call("POST", "inference/v1/generate", json=request)
         samples = []
         for choice in sorted(answer["choices"], key=lambda c: c["index"]):
             if choice.get("finish_reason") == "abort":

@@ -45,6 +45,7 @@ from titan_learner.vllm.server_group import ServerGroup
 from titan_learner.weights.matching import match_named_tensors
 
 if TYPE_CHECKING:
+    from titan_learner.vllm.lora_adapters import AdapterServing
     from titan_learner.weights.local_shards import LocalShards
 
 VERSION_POLL_S = 0.05
@@ -61,7 +62,9 @@ class ServerGenerator:
     `gate`: with several trainer ranks, how rank 0 knows they all asked for a version.
     `shards`: for nccl_m2n, this rank's share of the learner, checked against `config` before
     any server is asked anything; `local_shards` is then set, and `load_weights` takes it
-    (every rank sends; each server's send iterates it afresh)."""
+    (every rank sends; each server's send iterates it afresh). `lora` (a LoRA run's `push =
+    "adapter"`): the servers serve the base they loaded, and each push is the adapters alone,
+    uploaded to every server by rank 0 (vllm.adapter_route) and named in every request."""
 
     def __init__(
         self,
@@ -79,6 +82,7 @@ class ServerGenerator:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         gate: PushGate | None = None,
         shards: LocalShards | None = None,
+        lora: AdapterServing | None = None,
     ) -> None:
         from titan_learner.model.hf_config import hf_parameter_shapes
 
@@ -101,8 +105,12 @@ class ServerGenerator:
         )
         self.sender = sender
         self._transfer: Any = None
+        self._adapters = lora
         self.local_shards = shards if self.weight_transfer == "nccl_m2n" else None
-        if self.weight_transfer == "nccl_m2n":  # every rank sends
+        if lora is not None:
+            if sender:
+                self._served()
+        elif self.weight_transfer == "nccl_m2n":  # every rank sends
             parallel = [c["parallel_config"]["tensor_parallel_size"] for c in self._served()]
             self._transfer = _m2n_transfer(self.servers, self.group.workers, shards, parallel)
         elif sender:
@@ -131,7 +139,15 @@ class ServerGenerator:
             )
         return served
 
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether pushes are a LoRA run's adapters alone (`lora`), not the full weights."""
+        return self._adapters is not None
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self._adapters is not None:
+            self._load_adapters(named_tensors, version)
+            return
         if self.local_shards is not None and named_tensors is not self.local_shards:
             raise ValueError(
                 "weight_transfer 'nccl_m2n' sends this rank's own shards: pass the "
@@ -159,6 +175,44 @@ class ServerGenerator:
                 [(n, t.detach().to(self.dtype)) for n, t in incoming.items()], version
             )
             self.group.reset_prefix_cache()  # cached KV was computed with the old weights
+        finally:
+            self.group.resume()
+        self.weights_version = int(version)
+
+    def _load_adapters(self, named_tensors: Iterable, version: int) -> None:
+        """Rank 0 uploads the adapters to every server, paused, as `adapter_name(version)`
+        (replacing one of that name: a version pushed again), unloads the others and sets the
+        version; the other ranks wait for the version, as for full weights."""
+        from safetensors.torch import save
+
+        from titan_learner.weights.peft import peft_config
+
+        arrivals = None if self.gate is None else self.gate.arrive(version)
+        if not self.sender:
+            self._wait_for_version(version)
+            self.weights_version = int(version)
+            return
+        lora = self._adapters
+        incoming = match_named_tensors(
+            named_tensors, lora.shapes, required=list(lora.shapes), rejected=REJECTED
+        )
+        tensors = {n: t.detach().to(self.dtype).cpu().contiguous() for n, t in incoming.items()}
+        files = save(tensors, metadata={"format": "pt"})
+        settings = peft_config(lora.rank, lora.alpha, list(tensors), lora.base)
+        if arrivals is not None:
+            self.gate.wait_for_all(arrivals, version)
+        name = adapter_name(version)
+        self.group.pause()
+        try:
+            for server in self.servers:
+                if name in server.adapters():
+                    server.unload_adapter(name)
+                server.upload_adapter(name, files, settings)
+                for other in server.adapters():
+                    if other != name:
+                        server.unload_adapter(other)
+                server.set_weight_version(str(version))
+            self.group.reset_prefix_cache()
         finally:
             self.group.resume()
         self.weights_version = int(version)
@@ -218,9 +272,11 @@ class ServerGenerator:
             generator,
         )
 
+        adapter = adapter_name(self.weights_version) if self._adapters is not None else None
+
         def sample(i: int, on: int) -> list[tuple[list[int], list[float], set[str]]]:
             server = self.servers[on]
-            samples = server.generate([int(t) for t in prompts[i]], sampling[i])
+            samples = server.generate([int(t) for t in prompts[i]], sampling[i], adapter)
             if len(samples) != group_size:
                 raise ServerError(
                     f"rollout server {server.url} returned {len(samples)} samples, asked for "
@@ -242,6 +298,11 @@ class ServerGenerator:
             self.pad_id,
             sampled_version(samples, self.weights_version),
         )
+
+
+def adapter_name(version: int) -> str:
+    """The name a LoRA run's adapters of `version` have on its servers (every rank knows it)."""
+    return f"policy-v{version}"
 
 
 def check_shards(shards: LocalShards, shapes: dict[str, torch.Size], required: list[str]) -> None:
