@@ -2,7 +2,8 @@
 
 Every check `validate` holds runs; what depends on the machine the run is meant for (a CUDA
 device, flex attention, a local `hf_checkpoint`) is a warning here, since a cluster config is
-often checked on a laptop. The model is built on the meta device only (no memory), so checking
+often checked on a laptop. A vLLM run's vllm install is not: its later checks import vllm, so
+`check` stops where `train` would, with the same line. The model is built on the meta device only (no memory), so checking
 an 8B config takes seconds. Where the data and the tokenizer are on this machine, the prompts
 are read as train reads them (every row tokenized: an overlong prompt, or none left).
 """
