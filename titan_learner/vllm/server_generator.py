@@ -145,14 +145,14 @@ class ServerGenerator:
         return self._adapters is not None
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        if self._adapters is not None:
-            self._load_adapters(named_tensors, version)
-            return
         if self.local_shards is not None and named_tensors is not self.local_shards:
             raise ValueError(
                 "weight_transfer 'nccl_m2n' sends this rank's own shards: pass the "
                 "generator's `local_shards`, not other tensors"
             )
+        if self._adapters is not None:
+            self._load_adapters(named_tensors, version)
+            return
         arrivals = None if self.gate is None else self.gate.arrive(version)
         if self.local_shards is not None:
             self._send_shards(version, arrivals)
